@@ -1,0 +1,216 @@
+"""The ``essa`` command line: train, sft, eval, config show/validate.
+
+User errors (bad config, missing files, bad data) print one line ``error: ...`` on stderr and
+exit with code 2; they never print a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from essa.config import Config, ConfigError, dump_config, load_config
+from essa.errors import UserError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=False,
+    pretty_exceptions_enable=False,
+    help="essa-align: gradient-free alignment of LLMs (ESSA).",
+)
+config_app = typer.Typer(
+    add_completion=False, pretty_exceptions_enable=False, help="Inspect and check config files."
+)
+app.add_typer(config_app, name="config")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+ConfigArg = Annotated[Path | None, typer.Argument(help="YAML config (default: the embedded demo)")]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", help="Override, e.g. optimizer.sigma0=0.2")
+]
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [ConfigError, UserError]
+    try:
+        from essa.data import DataError
+
+        errors.append(DataError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def guarded(fn: F) -> F:
+    """Turn user errors into one line on stderr and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except _user_errors() as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=False)
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(
+        level=os.environ.get("ESSA_LOG_LEVEL", "WARNING"),
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _resolve(config: Path | None, overrides: list[str] | None) -> Config:
+    return load_config(config, overrides or ())
+
+
+@app.command()
+@guarded
+def train(
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    resume: Annotated[Path | None, typer.Option(help="Continue the run in this directory")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory")] = False,
+    run_dir: Annotated[Path | None, typer.Option(help="Run directory (overrides run.dir)")] = None,
+) -> None:
+    """Align a model with ESSA (SFT first when no adapter is given)."""
+    from essa.rundir import prepare_run_dir
+
+    _setup_logging()
+    if resume is not None:
+        if config is not None:
+            typer.echo(
+                f"note: resuming with the config saved in {resume}; {config} is not read", err=True
+            )
+        cfg = load_config(resume / "config.yaml", set_ or ())
+        directory = resume
+    else:
+        cfg = _resolve(config, set_)
+        directory = run_dir or Path(cfg.run.dir)
+    prepare_run_dir(directory, resume=resume is not None, overwrite=overwrite)
+    if cfg.algorithm == "essa":
+        from essa.recipes import essa_es
+
+        summary = essa_es.run(cfg, directory, resume=resume is not None, console=_console())
+    else:  # pragma: no cover - the schema admits only the algorithms listed above
+        raise UserError(f"algorithm: {cfg.algorithm} is not available")
+    typer.echo(json.dumps(summary, indent=2))
+
+
+@app.command()
+@guarded
+def sft(
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory")] = False,
+    run_dir: Annotated[Path | None, typer.Option(help="Run directory (overrides run.dir)")] = None,
+) -> None:
+    """Train the SFT LoRA adapter only; saves RUN_DIR/sft_adapter."""
+    from essa.backends.hf import load_model
+    from essa.recipes.common import load_or_train_adapter, load_task, seed_everything
+    from essa.rundir import prepare_run_dir
+
+    _setup_logging()
+    cfg = _resolve(config, set_)
+    directory = run_dir or Path(cfg.run.dir)
+    if cfg.adapter.path is not None:
+        raise UserError("adapter.path is set: `essa sft` trains a new adapter; unset it")
+    prepare_run_dir(directory, resume=False, overwrite=overwrite)
+    (directory / "config.yaml").write_text(dump_config(cfg))
+    seed_everything(cfg.run.seed)
+    task = load_task(cfg.data, cfg.run.seed)
+    model, tokenizer = load_model(cfg.model)
+    _, adapter_dir = load_or_train_adapter(cfg, model, tokenizer, task, directory, _console())
+    typer.echo(f"SFT adapter: {adapter_dir}")
+
+
+@app.command("eval")
+@guarded
+def evaluate(
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    adapter: Annotated[
+        Path | None, typer.Option(help="PEFT adapter directory (default: none)")
+    ] = None,
+    output: Annotated[Path | None, typer.Option(help="Write the JSON result here")] = None,
+) -> None:
+    """Greedy pass@1 on the task's held-out split."""
+    from essa.backends.hf import generate_texts, load_model
+    from essa.recipes.common import accuracy, load_task, render_prompts, seed_everything
+
+    _setup_logging()
+    cfg = _resolve(config, set_)
+    seed_everything(cfg.run.seed)
+    task = load_task(cfg.data, cfg.run.seed)
+    model, tokenizer = load_model(cfg.model)
+    if adapter is not None:
+        from peft import PeftModel
+
+        if not (adapter / "adapter_config.json").exists():
+            raise UserError(
+                f"--adapter {adapter}: not a PEFT adapter directory (no adapter_config.json)"
+            )
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
+    prompts = render_prompts(task.test, cfg.data.template, tokenizer)
+    texts, _ = generate_texts(
+        model, tokenizer, prompts, cfg.generation, micro_batch_size=cfg.evaluation.micro_batch_size
+    )
+    result = {
+        "pass@1": accuracy(texts, task.test, prompts),
+        "n": len(task.test),
+        "adapter": str(adapter) if adapter else None,
+        "model": cfg.model.name_or_path,
+    }
+    text = json.dumps(result, indent=2)
+    typer.echo(text)
+    if output is not None:
+        output.write_text(text + "\n")
+
+
+@config_app.command("show")
+@guarded
+def config_show(config: ConfigArg = None, set_: SetOpt = None) -> None:
+    """Print the resolved config (defaults filled in, overrides applied)."""
+    typer.echo(dump_config(_resolve(config, set_)), nl=False)
+
+
+@config_app.command("validate")
+def config_validate(paths: Annotated[list[Path], typer.Argument(help="Config files")]) -> None:
+    """Check config files; exit 2 if any is invalid."""
+    bad = 0
+    for path in paths:
+        try:
+            load_config(path)
+            typer.echo(f"ok: {path}")
+        except ConfigError as err:
+            typer.echo(f"error: {err}", err=True)
+            bad += 1
+    if bad:
+        raise typer.Exit(2)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,344 @@
+"""One YAML schema of small frozen dataclasses.
+
+Every field has its default here and only here (no ``cfg.get(key, default)`` anywhere else).
+Loading is strict: an unknown key or a value of the wrong type raises :class:`ConfigError`
+whose message names the file, the line and the dotted key path, e.g.
+``configs/demo.yaml:7: optimizer.sigma: unknown key (known: name, population_size, ...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or override; the message is one line."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name_or_path: str = "builtin:demo"  # local directory, hub id, or builtin:demo (bundled)
+    gguf_file: str | None = None  # a .gguf file inside name_or_path (or an absolute path)
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    trust_remote_code: bool = False  # never on unless the config says so
+    quantization: Literal["none", "int8", "int4"] = "none"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    num_threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    path: str | None = None  # a PEFT LoRA directory; None runs the SFT stage first
+    rank: int = 8  # LoRA rank r for the SFT stage
+    lora_alpha: float = 16.0  # PEFT lora_alpha; scaling gamma = lora_alpha / r
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    alpha: float = 1.0  # ESSA's alpha: fraction of each factor's singular values searched
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 20  # optimizer steps
+    batch_size: int = 16
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    max_length: int = 256  # tokens of prompt + solution
+    lr_warmup_steps: int = 0
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: Literal["cma_es", "openai_es"] = "cma_es"
+    population_size: int = 16  # lambda; the paper's default is 96
+    sigma0: float = 1.0  # initial step; in units of each SFT singular value when use_relative_steps
+    use_relative_steps: bool = True  # scale each coordinate by its SFT singular value
+    variant: Literal["auto", "full", "sep"] = "auto"  # cma_es covariance
+    sep_above_dim: int = 2000  # cma_es: diagonal covariance above this dimension when auto
+    lr: float = 0.1  # openai_es step size
+    step: Literal["adam", "sgd"] = "adam"  # openai_es step rule
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = (
+        "builtin:arithmetic"  # builtin:NAME, a local .jsonl/.json/.csv/.parquet, or a hub id
+    )
+    question_field: str = "question"
+    answer_field: str = "answer"
+    solution_field: str | None = None  # full reference solution for SFT (default: the answer)
+    split: str | None = None  # hub datasets only
+    template: str = "raw"  # prompt template name (raw, chat, qwen_math_cot, qwen_boxed, r1)
+    sft_size: int = 100  # training examples reserved for the SFT stage
+    test_size: int = 500  # held-out examples (builtin tasks have a fixed split)
+    batch_size: int = 64  # prompts per generation, shared by all candidates
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    name: str = "math_accuracy"  # a registered reward or module:function
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 8
+    temperature: float = 0.0  # 0 = greedy (the project default: all variation from parameters)
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    strategy: Literal["auto", "batched", "merged"] = "auto"
+    micro_batch_size: int = 1024  # sequences per forward
+    every: int = 10  # held-out accuracy every N generations (0: only before and after)
+    select: Literal["mean", "best", "validation"] = "mean"  # which solution is exported
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/essa-demo"
+    generations: int = 40
+    seed: int = 0
+    max_wall_seconds: float | None = None  # stop after this budget (checked between generations)
+    show_progress: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    algorithm: Literal["essa"] = "essa"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _line_map(node: yaml.Node, prefix: str, lines: dict[str, int]) -> None:
+    """Record the 1-based line of every mapping key, keyed by dotted path."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+            lines[path] = key_node.start_mark.line + 1
+            _line_map(value_node, path, lines)
+
+
+def _where(source: str, lines: dict[str, int], path: str) -> str:
+    line = lines.get(path)
+    return f"{source}:{line}" if line is not None else source
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(v) for v in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints widen to float)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            try:
+                return _coerce(value, arm, path)
+            except ConfigError:
+                continue
+        names = " or ".join(_type_name(a) for a in typing.get_args(tp))
+        raise ConfigError(f"{path}: expected {names}, got {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{path}: expected one of {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        (arm, _) = typing.get_args(tp)
+        return tuple(_coerce(v, arm, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(f"{path}: expected null, got {value!r}")
+        return None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported annotation {tp!r} at {path}")  # a bug in this module
+
+
+def _build(cls: type, data: Any, prefix: str, where: typing.Callable[[str], str]) -> Any:
+    """Build dataclass ``cls`` from a mapping, strictly."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{where(prefix)}: {prefix or 'config'}: expected a mapping, got {data!r}"
+        )
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            known = ", ".join(fields)
+            raise ConfigError(f"{where(path)}: {path}: unknown key (known: {known})")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, path, where)
+            continue
+        try:
+            kwargs[key] = _coerce(value, tp, path)
+        except ConfigError as err:
+            raise ConfigError(f"{where(path)}: {err}") from None
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse ``a.b=value`` (value is YAML: ``0.2``, ``true``, ``[q_proj, v_proj]``, ``null``)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text}: expected KEY=VALUE, e.g. optimizer.sigma0=0.2")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def _apply_override(data: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = data
+    for k in keys[:-1]:
+        child = node.get(k)
+        if child is None:
+            child = node[k] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {'.'.join(keys)}: {k} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load and validate a config file (or the embedded default when ``path`` is None)."""
+    source = str(path) if path is not None else "<default>"
+    lines: dict[str, int] = {}
+    data: Any = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ConfigError(f"{source}: cannot read config: {err.strerror}") from None
+        try:
+            node = yaml.compose(text)
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            line = f":{mark.line + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or "invalid YAML"
+            raise ConfigError(f"{source}{line}: invalid YAML: {problem}") from None
+        if node is not None:
+            _line_map(node, "", lines)
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    overridden: set[str] = set()
+    for text in overrides:
+        keys, value = parse_override(text)
+        _apply_override(data, keys, value)
+        overridden.add(".".join(keys))
+
+    def where(key_path: str) -> str:
+        if key_path in overridden:
+            return f"--set {key_path}"
+        return _where(source, lines, key_path)
+
+    cfg = _build(Config, data, "", where)
+    try:
+        check_values(cfg)
+    except ConfigError as err:
+        key = str(err).split(":", 1)[0]
+        raise ConfigError(f"{where(key)}: {err}") from None
+    return cfg
+
+
+def check_values(cfg: Config) -> None:
+    """Range checks that types cannot express."""
+    positive = {
+        "optimizer.population_size": cfg.optimizer.population_size,
+        "optimizer.sigma0": cfg.optimizer.sigma0,
+        "adapter.rank": cfg.adapter.rank,
+        "data.batch_size": cfg.data.batch_size,
+        "generation.max_new_tokens": cfg.generation.max_new_tokens,
+        "evaluation.micro_batch_size": cfg.evaluation.micro_batch_size,
+        "sft.batch_size": cfg.sft.batch_size,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {value}")
+    nonneg = {
+        "run.generations": cfg.run.generations,
+        "sft.steps": cfg.sft.steps,
+        "evaluation.every": cfg.evaluation.every,
+        "data.test_size": cfg.data.test_size,
+        "data.sft_size": cfg.data.sft_size,
+    }
+    for key, value in nonneg.items():
+        if value < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {value}")
+    if not 0.0 < cfg.adapter.alpha <= 1.0:
+        raise ConfigError(f"adapter.alpha: must be in (0, 1], got {cfg.adapter.alpha}")
+    if int(cfg.adapter.alpha * cfg.adapter.rank) == 0 and cfg.adapter.path is None:
+        raise ConfigError(
+            f"adapter.alpha: {cfg.adapter.alpha} with adapter.rank={cfg.adapter.rank} selects zero "
+            "singular values per factor (floor(alpha*r) = 0); raise alpha or rank"
+        )
+    if cfg.optimizer.name == "openai_es" and cfg.optimizer.population_size % 2:
+        raise ConfigError(
+            "optimizer.population_size: openai_es needs an even population (antithetic pairs)"
+        )
+    if cfg.generation.temperature < 0:
+        raise ConfigError("generation.temperature: must be >= 0")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain-data view (tuples as lists) suitable for YAML/JSON."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, tuple | list):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -1,0 +1,326 @@
+"""CMA-ES (Hansen & Ostermeier 2001) through pycma, maximising fitness; ESSA v3 §3.2.
+
+Where this departs from the paper or from plain pycma use:
+
+- Maximisation: pycma minimises, so ``tell`` passes ``-fitness``.
+- Failed evaluations: NaN fitness is replaced by one value strictly below the worst finite fitness
+  (``shaping.fill_failed``). CMA-ES only uses ranks, so this is exactly "NaN ranked worst".
+  A generation where *every* candidate failed is skipped: pycma is not told, the generation
+  counter still advances, and the next ``ask`` returns the same population again (pycma's TPA
+  step-size rule forbids a second ``ask`` without a ``tell``; re-evaluating also suits transient
+  failures). ``enable_raise_on_all_failed=True`` raises instead (and leaves the state untouched).
+- Full covariance as in the paper up to ``sep_above_dim`` (default 2000); above it, or with
+  ``variant="sep"``, diagonal sep-CMA (``CMA_diagonal=True``), whose cost is linear in D.
+- Relative steps: ``stds`` become pycma's ``CMA_stds``, so the initial step of coordinate i is
+  ``sigma0 * stds[i]`` (the SFT singular values in ESSA).
+- pycma's defaults are kept otherwise: active covariance update (negative weights), TPA step-size
+  adaptation instead of CSA for D >= 300, mirrored sampling only when popsize < 6.
+- No termination: every stopping criterion is disabled and ``stop()`` is never called (it would
+  read a signals file from the working directory). The caller drives the loop by budget.
+- Randomness: one dedicated ``np.random.Generator`` seeded from ``SeedSequence(seed)`` is passed as
+  pycma's ``randn``; pycma's ``seed`` option is NaN so that pycma never seeds the global numpy RNG.
+  pycma's TPA consistency check still draws from the global RNG (it only ever warns), so every
+  pycma call runs with the global RNG state saved and restored.
+
+Cost: full covariance does an O(D^3) eigendecomposition every few generations in multithreaded
+BLAS. With several MPI ranks per node, limit BLAS to one thread per rank (OPENBLAS_NUM_THREADS=1):
+oversubscribed BLAS threads make small ``eigh`` calls orders of magnitude slower.
+
+Checkpoints without pickle: pycma's state (C, paths, lazy eigendecomposition) is not plain data, so
+``state_dict`` stores the constructor arguments plus the history of told fitness arrays, and
+``load_state_dict`` rebuilds pycma and replays ask/tell over that history: O(generations) ask/tell
+calls, about as long as the optimizer's own share of the run so far (tens of ms per generation at
+D ~ 450, popsize 96, full covariance, one core), plus ~2 kB of JSON per generation. The replay is
+bit-identical on the same machine and library versions; ``load_state_dict`` warns if the replayed
+mean or sigma differ from the stored ones. A checkpoint reflects the state after the last ``tell``:
+a population asked but not yet told is not saved, and the resumed optimizer's next ``ask`` returns
+exactly that population again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+import numpy as np
+
+from essa.optimizers.base import (
+    as_fitness,
+    as_vector,
+    canonical_json,
+    check_common_args,
+    check_population,
+    check_same_config,
+    check_state_header,
+    fitness_from_json,
+    fitness_metrics,
+    fitness_to_json,
+    sha256_hex,
+    update_best,
+)
+from essa.optimizers.shaping import fill_failed
+from essa.types import AdapterVector, Fitness, Population
+
+Variant = Literal["auto", "full", "sep"]
+STATE_FORMAT = 1
+
+# Every pycma stopping criterion off: quantised accuracy plateaus, so runs are budget-driven.
+_NO_TERMINATION: dict[str, Any] = {
+    "maxiter": math.inf,
+    "maxfevals": math.inf,
+    "timeout": math.inf,
+    "tolfun": 0.0,
+    "tolfunhist": 0.0,
+    "tolfunrel": 0.0,
+    "tolflatfitness": math.inf,
+    "tolstagnation": 0,  # 0 disables the check entirely
+    "tolxstagnation": False,
+    "tolx": 0.0,
+    "tolfacupx": math.inf,
+    "tolupsigma": math.inf,
+    "tolconditioncov": math.inf,
+}
+_SILENT: dict[str, Any] = {
+    "verbose": -9,
+    "verb_log": 0,
+    "verb_disp": 0,
+    "verb_plot": 0,
+    "verb_time": False,
+    "signals_filename": "",  # "" = never look for a signals file
+}
+
+
+@contextlib.contextmanager
+def _global_numpy_rng_preserved() -> Iterator[None]:
+    """Restore numpy's global RNG state afterwards, so pycma leaves other code's streams alone."""
+    saved = np.random.get_state()
+    try:
+        yield
+    finally:
+        np.random.set_state(saved)
+
+
+def resolve_variant(variant: Variant, dim: int, sep_above_dim: int) -> Literal["full", "sep"]:
+    """``"auto"`` means full covariance up to ``sep_above_dim`` and sep-CMA above it."""
+    if variant == "auto":
+        return "sep" if dim > sep_above_dim else "full"
+    if variant not in ("full", "sep"):
+        raise ValueError(f"variant must be 'auto', 'full' or 'sep', got {variant!r}")
+    return variant
+
+
+class CMAES:
+    """CMA-ES over a (D,) vector with replicated, deterministic state; see the module docstring."""
+
+    name = "cma_es"
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        population_size: int,  # lambda; ESSA default 96
+        sigma0: float,  # initial global step, relative to stds
+        seed: int,  # the whole sample stream derives from SeedSequence(seed)
+        stds: np.ndarray | None = None,  # (D,) per-coordinate step scales (CMA_stds)
+        x0: np.ndarray | None = None,  # (D,) initial mean; zeros = the SFT adapter in ESSA
+        variant: Variant = "auto",  # full covariance, sep-CMA, or chosen by sep_above_dim
+        sep_above_dim: int = 2000,  # auto switches to sep-CMA when dim > this
+        enable_raise_on_all_failed: bool = False,  # raise instead of skipping all-NaN generations
+    ) -> None:
+        check_common_args(dim, population_size, sigma0, seed)
+        self._dim = dim
+        self._population_size = population_size
+        self._x0 = np.zeros(dim) if x0 is None else as_vector(x0, dim, "x0")
+        self._stds = None if stds is None else as_vector(stds, dim, "stds", positive=True)
+        self._variant = resolve_variant(variant, dim, sep_above_dim)
+        self._enable_raise_on_all_failed = enable_raise_on_all_failed
+        # Plain data that fixes the trajectory: compared on load, hashed by checksum().
+        self._config: dict[str, Any] = {
+            "dim": dim,
+            "population_size": population_size,
+            "sigma0": float(sigma0),
+            "seed": seed,
+            "variant": self._variant,
+            "x0": self._x0.tolist(),
+            "stds": None if self._stds is None else self._stds.tolist(),
+        }
+        self._reset()
+
+    def _reset(self) -> None:
+        """Fresh pycma object and bookkeeping, as right after construction."""
+        self._es = self._new_pycma()
+        self._history: list[list[float | None]] = []
+        self._pending: list[np.ndarray] | None = None  # pycma's own arrays from the last ask
+        self._pending_population: Population | None = None  # (P, D) stacked copy
+        self._best_x: AdapterVector | None = None
+        self._best_fitness = math.nan
+        self._n_skipped = 0
+
+    def _new_pycma(self) -> Any:
+        """Build the pycma strategy from the constructor arguments alone."""
+        # Imported here: `import cma` pulls in matplotlib (~0.6 s), and `import essa.optimizers`
+        # must stay light.
+        import cma
+
+        rng = np.random.default_rng(np.random.SeedSequence(self._config["seed"]))
+
+        def randn(*shape: int) -> np.ndarray:
+            return rng.standard_normal(shape)
+
+        options: dict[str, Any] = {
+            "popsize": self._population_size,
+            "CMA_diagonal": self._variant == "sep",
+            "randn": randn,
+            "seed": math.nan,  # NaN: pycma skips np.random.seed(...) entirely
+            **_NO_TERMINATION,
+            **_SILENT,
+        }
+        if self._stds is not None:
+            options["CMA_stds"] = self._stds.copy()
+        with _global_numpy_rng_preserved():
+            return cma.CMAEvolutionStrategy(self._x0.copy(), self._config["sigma0"], options)
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def population_size(self) -> int:
+        return self._population_size
+
+    @property
+    def variant(self) -> Literal["full", "sep"]:
+        """The covariance model actually used ("auto" resolved)."""
+        return self._variant
+
+    @property
+    def mean(self) -> AdapterVector:
+        return np.array(self._es.mean, dtype=np.float64)
+
+    @property
+    def sigma(self) -> float:
+        return float(self._es.sigma)
+
+    @property
+    def generation(self) -> int:
+        return len(self._history)
+
+    @property
+    def best_x(self) -> AdapterVector | None:
+        return None if self._best_x is None else self._best_x.copy()
+
+    @property
+    def best_fitness(self) -> float:
+        return self._best_fitness
+
+    def ask(self) -> Population:
+        """(P, D) candidates; the same population until ``tell``."""
+        return self._ensure_pending().copy()
+
+    def _ensure_pending(self) -> Population:
+        """Draw the generation's population from pycma once; return our (P, D) stack of it."""
+        if self._pending is None or self._pending_population is None:
+            with _global_numpy_rng_preserved():
+                self._pending = self._es.ask()
+            self._pending_population = np.array(self._pending, dtype=np.float64)
+        return self._pending_population
+
+    def tell(self, population: Population, fitness: Fitness) -> dict[str, float]:
+        """Update from the last asked population; NaN fitness = failed, ranked worst."""
+        fitness = as_fitness(fitness, self._population_size)
+        check_population(population, self._ensure_pending())
+        all_failed = bool(np.all(np.isnan(fitness)))
+        if all_failed and self._enable_raise_on_all_failed:
+            raise RuntimeError(
+                f"all {fitness.size} evaluations failed (NaN) in generation {self.generation}"
+            )
+        self._apply(fitness)
+        self._history.append(fitness_to_json(fitness))
+        return {
+            **fitness_metrics(fitness),
+            "sigma": self.sigma,
+            "skipped": float(all_failed),
+            "generation": float(self.generation),
+        }
+
+    def _apply(self, fitness: Fitness) -> None:
+        """Tell pycma and clear the pending population, or skip an all-failed generation."""
+        assert self._pending is not None and self._pending_population is not None
+        if np.all(np.isnan(fitness)):
+            # Keep the population pending: pycma's TPA refuses a second ask() without a tell().
+            self._n_skipped += 1
+            return
+        self._best_x, self._best_fitness = update_best(
+            self._best_x, self._best_fitness, self._pending_population, fitness
+        )
+        with _global_numpy_rng_preserved():
+            self._es.tell(self._pending, (-fill_failed(fitness)).tolist())
+        self._pending = None
+        self._pending_population = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Constructor arguments + told fitness history; mean and sigma only to verify a replay."""
+        return {
+            "optimizer": self.name,
+            "format": STATE_FORMAT,
+            "config": dict(self._config),
+            "history": [list(fitness) for fitness in self._history],
+            "generation": self.generation,
+            "n_skipped": self._n_skipped,
+            "mean": self.mean.tolist(),
+            "sigma": self.sigma,
+            "cma_version": _cma_version(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Rebuild pycma and replay every ask/tell of ``state["history"]`` (O(generations))."""
+        check_state_header(state, self.name, STATE_FORMAT)
+        check_same_config(state["config"], self._config, self.name)
+        if state.get("cma_version") != _cma_version():
+            warnings.warn(
+                f"cma_es state saved with pycma {state.get('cma_version')}, replaying with "
+                f"{_cma_version()}: the resumed trajectory may differ",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._reset()
+        for entry in state["history"]:
+            self._ensure_pending()
+            self._apply(fitness_from_json(entry))
+            self._history.append(list(entry))
+        self._warn_if_replay_differs(state)
+
+    def _warn_if_replay_differs(self, state: Mapping[str, Any]) -> None:
+        """Different BLAS/CPU can change eigendecompositions in the last bits; say so."""
+        same_mean = np.array_equal(self.mean, np.asarray(state["mean"], dtype=np.float64))
+        if not (same_mean and self.sigma == state["sigma"]):
+            warnings.warn(
+                "cma_es replay did not reproduce the saved mean/sigma bit for bit "
+                "(different machine or library versions?); continuing from the replayed state",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def checksum(self) -> str:
+        """sha256 over the state dict, pycma's numeric internals and the next population.
+
+        Draws the next population first if it is not pending yet: pycma updates its
+        eigendecomposition lazily inside ``ask``, so hashing before and after an ask would differ.
+        ``ask`` is idempotent, so this changes nothing the caller can observe.
+        """
+        arrays = [self._ensure_pending(), self._es.mean, np.array([self._es.sigma]), self._es.pc]
+        arrays += [np.asarray(self._es.sigma_vec.scaling), np.asarray(self._es.dC)]
+        for owner, attribute in ((self._es.adapt_sigma, "ps"), (self._es.sm, "C")):
+            if hasattr(owner, attribute):
+                arrays.append(np.asarray(getattr(owner, attribute)))
+        chunks = [np.ascontiguousarray(a, dtype=np.float64).tobytes() for a in arrays]
+        return sha256_hex(canonical_json(self.state_dict()).encode(), *chunks)
+
+
+def _cma_version() -> str:
+    import cma
+
+    return str(cma.__version__)

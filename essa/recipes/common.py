@@ -1,0 +1,121 @@
+"""Pieces shared by the recipes: task splits, prompt rendering, the SFT warm start, accuracy."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from essa.config import Config, DataConfig
+from essa.errors import UserError
+from essa.types import Example
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Task:
+    sft: list[Example]  # the SFT stage's examples (disjoint from train and test)
+    train: list[Example]  # ESSA draws its per-generation mini-batches from here
+    test: list[Example]  # held-out; never used for any choice made during training
+
+
+def load_task(cfg: DataConfig, seed: int) -> Task:
+    """Split the data deterministically into SFT, train and held-out test examples."""
+    from essa.data import load_examples
+    from essa.data.arithmetic import arithmetic_examples
+
+    if cfg.source == "builtin:arithmetic":
+        pool, fixed_test = arithmetic_examples()
+        test = fixed_test[: cfg.test_size]
+    else:
+        examples = load_examples(
+            cfg.source,
+            question_field=cfg.question_field,
+            answer_field=cfg.answer_field,
+            solution_field=cfg.solution_field,
+            split=cfg.split,
+        )
+        order = np.random.default_rng(np.random.SeedSequence([seed, 7])).permutation(len(examples))
+        shuffled = [examples[i] for i in order]
+        test, pool = shuffled[: cfg.test_size], shuffled[cfg.test_size :]
+    # The SFT/train cut depends on the run seed: one SFT adapter per (task, seed).
+    order = np.random.default_rng(np.random.SeedSequence([seed, 8])).permutation(len(pool))
+    pool = [pool[i] for i in order]
+    sft, train = pool[: cfg.sft_size], pool[cfg.sft_size :]
+    if not train:
+        raise UserError(
+            f"data.source {cfg.source}: no training examples left after the "
+            f"test ({cfg.test_size}) and SFT ({cfg.sft_size}) splits"
+        )
+    return Task(sft=sft, train=train, test=test)
+
+
+def render_prompts(examples: Sequence[Example], template: str, tokenizer: Any) -> list[str]:
+    from essa.data.templates import render_prompt
+
+    return [render_prompt(template, ex.prompt, tokenizer=tokenizer) for ex in examples]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed global RNGs once, for third-party code; our own code passes explicit generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def accuracy(
+    completions: Sequence[str], examples: Sequence[Example], prompts: Sequence[str]
+) -> float:
+    """Greedy pass@1 with math-verify: ungradable items count as wrong."""
+    from essa.rewards import get_reward
+
+    scores = get_reward("math_accuracy")(
+        list(completions), [e.answer for e in examples], list(prompts)
+    )
+    return float(np.mean([s or 0.0 for s in scores])) if scores else float("nan")
+
+
+def load_or_train_adapter(
+    cfg: Config, model: Any, tokenizer: Any, task: Task, run_dir: Path, console: Any = None
+) -> tuple[Any, str]:
+    """Return (peft_model, adapter_dir): the configured adapter, a saved SFT one, or a new SFT."""
+    from peft import PeftModel
+
+    from essa.recipes.sft import check_target_modules, make_lora_model, save_adapter, train_sft
+
+    path = cfg.adapter.path
+    if path is None and (run_dir / "sft_adapter" / "adapter_config.json").exists():
+        path = str(run_dir / "sft_adapter")  # resumed run: reuse this run's SFT
+    if path is not None:
+        if not (Path(path) / "adapter_config.json").exists():
+            raise UserError(
+                f"adapter.path: {path} is not a PEFT adapter directory (no adapter_config.json)"
+            )
+        targets = _adapter_targets(Path(path))
+        check_target_modules(model, targets)
+        return PeftModel.from_pretrained(model, path), path
+    peft_model = make_lora_model(model, cfg.adapter)
+    prompts = render_prompts(task.sft, cfg.data.template, tokenizer)
+    losses = train_sft(peft_model, tokenizer, task.sft, prompts, cfg.sft, cfg.run.seed)
+    if console is not None and losses:
+        console.print(
+            f"SFT: {cfg.sft.steps} steps on {len(task.sft)} examples, "
+            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+        )
+    out = save_adapter(peft_model, run_dir / "sft_adapter")
+    return peft_model, str(out)
+
+
+def _adapter_targets(path: Path) -> list[str]:
+    import json
+
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    targets = cfg.get("target_modules") or []
+    return [targets] if isinstance(targets, str) else list(targets)

@@ -1,0 +1,146 @@
+"""Config schema: strict loading, error messages with file:line:key, overrides, shipped configs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from essa.config import Config, ConfigError, dump_config, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = sorted(ROOT.glob("configs/**/*.yaml"))
+
+
+def test_shipped_configs_found_and_valid() -> None:
+    # Recursive glob with an asserted count, so a moved or skipped file is noticed.
+    assert len(SHIPPED) == 4, [str(p) for p in SHIPPED]
+    for path in SHIPPED:
+        load_config(path)
+
+
+def test_default_config_is_demo() -> None:
+    cfg = load_config(None)
+    assert cfg == Config()
+    assert cfg.model.name_or_path == "builtin:demo"
+    assert cfg == load_config(ROOT / "configs" / "demo.yaml")
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_key_names_file_line_and_path(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  dtype: float32\noptimizer:\n  sigma: 0.2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}:4: optimizer.sigma: unknown key")
+    assert "sigma0" in msg  # lists the known keys
+
+
+def test_unknown_section(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r":1: trainer: unknown key"):
+        load_config(write(tmp_path, "trainer: {}\n"))
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        (
+            "optimizer:\n  population_size: many\n",
+            ":2: optimizer.population_size: expected an integer",
+        ),
+        ("optimizer:\n  sigma0: [1]\n", ":2: optimizer.sigma0: expected a number"),
+        ("run:\n  show_progress: 1\n", ":2: run.show_progress: expected true/false"),
+        (
+            "optimizer:\n  name: adam\n",
+            ":2: optimizer.name: expected one of 'cma_es' | 'openai_es'",
+        ),
+        ("adapter:\n  target_modules: q_proj\n", ":2: adapter.target_modules: expected a list"),
+        ("model: 3\n", ":1: model: expected a mapping"),
+        ("optimizer:\n  population_size: 0\n", ":2: optimizer.population_size: must be > 0"),
+        (
+            "adapter:\n  rank: 8\n  alpha: 0.1\n",
+            ":3: adapter.alpha: 0.1 with adapter.rank=8 selects zero",
+        ),
+        ("optimizer:\n  name: openai_es\n  population_size: 15\n", "even population"),
+        ("model: [unclosed\n", "invalid YAML"),
+        ("- a\n- b\n", "top level must be a mapping"),
+    ],
+)
+def test_wrong_values(tmp_path: Path, text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text))
+    assert fragment in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_int_widens_to_float_and_null_allowed(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "optimizer:\n  sigma0: 1\nmodel:\n  gguf_file: null\n"))
+    assert cfg.optimizer.sigma0 == 1.0 and isinstance(cfg.optimizer.sigma0, float)
+
+
+def test_overrides() -> None:
+    cfg = load_config(
+        None,
+        [
+            "optimizer.sigma0=0.2",
+            "adapter.target_modules=[q_proj, v_proj]",
+            "model.gguf_file=m.gguf",
+        ],
+    )
+    assert cfg.optimizer.sigma0 == 0.2
+    assert cfg.adapter.target_modules == ("q_proj", "v_proj")
+    assert cfg.model.gguf_file == "m.gguf"
+    with pytest.raises(ConfigError, match=r"^--set optimizer.sigma: optimizer.sigma: unknown key"):
+        load_config(None, ["optimizer.sigma=0.2"])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(None, ["optimizer.sigma0"])
+
+
+def test_dump_round_trip(tmp_path: Path) -> None:
+    cfg = load_config(None, ["optimizer.sigma0=0.3", "run.seed=5"])
+    assert load_config(write(tmp_path, dump_config(cfg))) == cfg
+
+
+def test_config_is_frozen() -> None:
+    cfg = Config()
+    with pytest.raises(AttributeError):
+        cfg.run.seed = 3  # type: ignore[misc]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "essa.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_validate_shipped_and_bad(tmp_path: Path) -> None:
+    ok = run_cli("config", "validate", *map(str, SHIPPED))
+    assert ok.returncode == 0, ok.stderr
+    bad = write(tmp_path, "optimizer:\n  popsize: 8\n")
+    res = run_cli("config", "validate", str(bad))
+    assert res.returncode == 2
+    assert res.stderr.strip() == (
+        f"error: {bad}:2: optimizer.popsize: unknown key (known: name, population_size, sigma0, "
+        "use_relative_steps, variant, sep_above_dim, lr, step)"
+    )
+
+
+def test_cli_train_bad_config_exits_2_without_traceback(tmp_path: Path) -> None:
+    bad = write(tmp_path, "run:\n  generations: -1\n")
+    res = run_cli("train", str(bad))
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    assert res.stderr.strip() == f"error: {bad}:2: run.generations: must be >= 0, got -1"
+
+
+def test_cli_config_show_applies_override() -> None:
+    res = run_cli("config", "show", "--set", "optimizer.sigma0=0.25")
+    assert res.returncode == 0, res.stderr
+    assert "sigma0: 0.25" in res.stdout

@@ -1,0 +1,310 @@
+"""Tests of essa.optimizers: import hygiene, shaping math, NaN handling, determinism, exact resume."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from essa.optimizers import (
+    OPTIMIZERS,
+    Optimizer,
+    centered_ranks,
+    fill_failed,
+    make_optimizer,
+    ranks_nan_worst,
+    z_score,
+)
+from essa.optimizers.cma_es import resolve_variant
+from essa.optimizers.openai_es import pair_noise
+
+OPTIMIZER_DIR = Path(__file__).resolve().parents[1] / "essa" / "optimizers"
+# Per-optimizer options for the smoke test; an optimizer missing here runs with its defaults.
+# cma_es: sep-CMA at dim 2000 keeps the test fast (full covariance there costs seconds per eigh).
+SMOKE_OPTIONS: dict[str, dict] = {"cma_es": {"sep_above_dim": 1000}, "openai_es": {"lr": 0.05}}
+
+
+def sphere(population: np.ndarray) -> np.ndarray:
+    """(P, D) -> (P,) shifted sphere; the optimum is at 1, away from the zero start."""
+    return np.sum((population - 1.0) ** 2, axis=-1)
+
+
+def rastrigin(population: np.ndarray) -> np.ndarray:
+    """(P, D) -> (P,) shifted Rastrigin; the zero start sits on a local maximum per coordinate."""
+    shifted = population - 2.5
+    return 10.0 * shifted.shape[-1] + np.sum(shifted**2 - 10.0 * np.cos(2 * np.pi * shifted), -1)
+
+
+def make(name: str, dim: int = 12, seed: int = 3, **options) -> Optimizer:
+    """Small optimizer for behaviour tests."""
+    return make_optimizer(name, dim, population_size=8, sigma0=0.3, seed=seed, **options)
+
+
+def run(opt: Optimizer, generations: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Tell -sphere with some random NaNs and one all-NaN generation; return the asks."""
+    asks = []
+    for generation in range(generations):
+        population = opt.ask()
+        fitness = -sphere(population)
+        fitness[rng.random(fitness.size) < 0.2] = np.nan
+        if generation == 2:
+            fitness[:] = np.nan
+        opt.tell(population, fitness)
+        asks.append(population)
+    return asks
+
+
+# (a) import hygiene ------------------------------------------------------------------------
+
+
+def test_import_does_not_pull_heavy_modules():
+    code = "import sys, essa.optimizers; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = {name.split(".")[0] for name in out.stdout.split()}
+    # cma is imported lazily: `import cma` pulls in matplotlib.
+    assert not loaded & {"torch", "transformers", "mpi4py", "cma", "matplotlib"}
+
+
+def test_optimizer_sources_import_only_numpy_stdlib_and_cma():
+    allowed = set(sys.stdlib_module_names) | {"numpy", "cma", "__future__"}
+    files = sorted(OPTIMIZER_DIR.glob("*.py"))
+    assert len(files) >= 5
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                ok = name.split(".")[0] in allowed or name == "essa.types"
+                assert ok or name.startswith("essa.optimizers"), f"{path.name} imports {name}"
+
+
+# registry ----------------------------------------------------------------------------------
+
+
+def test_unknown_optimizer_lists_known_names():
+    with pytest.raises(ValueError, match="cma_es.*openai_es"):
+        make("nope")
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_registered_optimizers_satisfy_protocol(name):
+    opt = make(name)
+    assert isinstance(opt, Optimizer)
+    population = opt.ask()
+    assert population.shape == (8, 12) and population.dtype == np.float64
+    assert np.array_equal(opt.ask(), population), "ask() must be idempotent until tell()"
+    assert opt.mean.shape == (12,) and opt.generation == 0 and opt.sigma > 0
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_x0_and_relative_steps(name):
+    x0, stds = np.linspace(-1.0, 1.0, 12), np.linspace(0.1, 3.0, 12)
+    plain, scaled = make(name, x0=x0), make(name, x0=x0, stds=stds)
+    assert np.array_equal(plain.mean, x0)
+    # Before any update the covariance is the identity: stds scale each coordinate's offset.
+    assert np.allclose(scaled.ask() - x0, stds * (plain.ask() - x0), rtol=1e-12, atol=0)
+
+
+# (b) smoke ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("objective", [sphere, rastrigin], ids=["sphere", "rastrigin"])
+@pytest.mark.parametrize("dim", [50, 2000])
+def test_smoke_improves_mean(name, objective, dim):
+    opt = make_optimizer(
+        name, dim, population_size=16, sigma0=0.5, seed=0, **SMOKE_OPTIONS.get(name, {})
+    )
+    start = objective(opt.mean)
+    for _ in range(60 if dim == 50 else 200):
+        population = opt.ask()
+        opt.tell(population, -objective(population))
+    assert objective(opt.mean) < 0.7 * start
+    assert opt.best_fitness > -start
+
+
+def test_cma_variant_auto_switch():
+    assert make("cma_es", dim=50).variant == "full"
+    assert make("cma_es", dim=2001).variant == "sep"
+    assert resolve_variant("auto", 2000, 2000) == "full"
+    assert make("cma_es", dim=50, variant="sep").variant == "sep"
+
+
+# (c) NaN handling --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_nan_ranked_worst_and_never_best(name):
+    with_nan, with_low = make(name), make(name)
+    population = with_nan.ask()
+    fitness = -sphere(population)
+    best_rows = np.argsort(fitness)[-3:]
+    fitness[best_rows] = np.nan
+    metrics = with_nan.tell(population, fitness)
+    # NaN must act exactly like a value below every finite one.
+    low = np.where(np.isnan(fitness), -1e12, fitness)
+    with_low.tell(with_low.ask(), low)
+    assert np.array_equal(with_nan.mean, with_low.mean)
+    assert metrics["n_failed"] == 3 and metrics["fitness_best"] == np.nanmax(fitness)
+    assert with_nan.best_fitness == np.nanmax(fitness)
+    assert not any(np.array_equal(with_nan.best_x, population[row]) for row in best_rows)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_all_failed_generation_is_skipped_or_raises(name):
+    opt = make(name)
+    mean = opt.mean
+    metrics = opt.tell(opt.ask(), np.full(8, np.nan))
+    assert metrics["skipped"] == 1.0 and opt.generation == 1
+    assert np.array_equal(opt.mean, mean) and np.isnan(opt.best_fitness)
+    run(opt, 6, np.random.default_rng(0))
+    assert np.isfinite(opt.best_fitness) and np.all(np.isfinite(opt.mean))
+
+    strict = make(name, enable_raise_on_all_failed=True)
+    with pytest.raises(RuntimeError, match="all 8 evaluations failed"):
+        strict.tell(strict.ask(), np.full(8, np.nan))
+    assert strict.generation == 0
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_tell_rejects_foreign_population_and_inf(name):
+    opt = make(name)
+    population = opt.ask()
+    with pytest.raises(ValueError, match="exact population"):
+        opt.tell(population + 1.0, np.zeros(8))
+    with pytest.raises(ValueError, match="inf"):
+        opt.tell(population, np.array([np.inf] + [0.0] * 7))
+    with pytest.raises(ValueError, match="shape"):
+        opt.tell(population, np.zeros(7))
+
+
+# (d) determinism ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_same_seed_same_asks(name):
+    first = run(make(name), 5, np.random.default_rng(1))
+    second = run(make(name), 5, np.random.default_rng(1))
+    other = run(make(name, seed=4), 5, np.random.default_rng(1))
+    assert all(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
+    assert not np.array_equal(first[0], other[0])
+
+
+def test_cma_leaves_global_numpy_rng_alone():
+    # dim >= 300 selects TPA, whose consistency check draws from np.random.
+    before = np.random.get_state()[1].copy()
+    run(make("cma_es", dim=400, variant="sep"), 8, np.random.default_rng(0))
+    assert np.array_equal(np.random.get_state()[1], before)
+
+
+# (e) resume --------------------------------------------------------------------------------
+
+
+def resume_cases() -> list[tuple[str, dict]]:
+    """Every registered optimizer, plus cma_es with sep-CMA and TPA (dim >= 300)."""
+    cases = [(name, {}) for name in sorted(OPTIMIZERS)]
+    return [*cases, ("cma_es", {"dim": 400, "variant": "sep"})]
+
+
+@pytest.mark.parametrize(("name", "options"), resume_cases())
+def test_resume_from_json_is_exact(name, options):
+    rng = np.random.default_rng(2)
+    original = make(name, **options)
+    run(original, 6, rng)
+    pending = original.ask()  # a checkpoint is taken after tell; a pending ask must come back
+    state = json.loads(json.dumps(original.state_dict(), allow_nan=False))
+
+    resumed = make(name, **options)
+    resumed.load_state_dict(state)
+    assert resumed.checksum() == original.checksum()
+    assert np.array_equal(resumed.ask(), pending)
+    assert resumed.generation == original.generation == 6
+    assert resumed.best_fitness == original.best_fitness
+    after_original = run(original, 4, np.random.default_rng(5))
+    after_resumed = run(resumed, 4, np.random.default_rng(5))
+    assert all(np.array_equal(a, b) for a, b in zip(after_original, after_resumed, strict=True))
+    assert np.array_equal(resumed.mean, original.mean) and resumed.sigma == original.sigma
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_resume_rejects_other_constructor_arguments(name):
+    opt = make(name)
+    run(opt, 2, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="seed"):
+        make(name, seed=99).load_state_dict(opt.state_dict())
+
+
+def test_cma_warns_when_replay_does_not_reproduce_saved_mean():
+    opt = make("cma_es")
+    run(opt, 3, np.random.default_rng(0))
+    state = opt.state_dict()
+    state["mean"][0] += 1.0  # what a different machine's eigendecomposition could cause
+    with pytest.warns(RuntimeWarning, match="did not reproduce"):
+        make("cma_es").load_state_dict(state)
+
+
+# (f) shaping -------------------------------------------------------------------------------
+
+
+def test_centered_ranks_hand_example():
+    fitness = np.array([10.0, np.nan, -1.0, 3.0, np.nan])
+    # ranks: the two NaNs 0 and 1 (in index order), -1 -> 2, 3 -> 3, 10 -> 4; then / 4 - 0.5
+    assert centered_ranks(fitness).tolist() == [0.5, -0.5, 0.0, 0.25, -0.25]
+    assert ranks_nan_worst(np.array([2.0, 2.0, 1.0])).tolist() == [1, 2, 0]
+    assert centered_ranks(np.array([np.nan])).tolist() == [0.0]
+
+
+def test_fill_failed_and_z_score():
+    assert fill_failed(np.array([1e20, np.nan])).tolist()[1] < 1e20
+    assert np.isnan(fill_failed(np.array([np.nan, np.nan]))).all()
+    assert z_score(np.array([2.0, 2.0, np.nan])).tolist() == [0.0, 0.0, 0.0]
+    assert z_score(np.array([0.0, 2.0])).tolist() == [-1.0, 1.0]
+
+
+# (g) OpenAI-ES specifics -------------------------------------------------------------------
+
+
+def test_openai_es_antithetic_pairs_from_seeds():
+    stds = np.linspace(0.5, 2.0, 12)
+    opt = make("openai_es", stds=stds)
+    opt.tell(opt.ask(), np.arange(8.0))
+    population, mean = opt.ask(), opt.mean
+    noise = stds * pair_noise(3, 1, 4, 12)  # seed 3, generation 1, 4 pairs
+    assert np.array_equal(population[0::2], mean + 0.3 * noise)
+    assert np.array_equal(population[1::2], mean - 0.3 * noise)
+    with pytest.raises(ValueError, match="even"):
+        make_optimizer("openai_es", 4, population_size=7, sigma0=0.1, seed=0)
+
+
+def test_openai_es_sgd_update_matches_hand_formula():
+    stds = np.array([1.0, 2.0, 4.0])
+    opt = make_optimizer(
+        "openai_es", 3, population_size=2, sigma0=0.1, seed=7, stds=stds, step="sgd", lr=1.0
+    )
+    opt.tell(opt.ask(), np.array([1.0, 0.0]))
+    # centered ranks (0.5, -0.5): g = (0.5 - -0.5) * eps / 2, mean += lr * stds * g
+    eps = pair_noise(7, 0, 1, 3)[0]
+    assert np.allclose(opt.mean, stds * eps / 2, rtol=1e-15, atol=0)
+
+
+# (h) checksum ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_checksum_tracks_history(name):
+    first, second, third = make(name), make(name), make(name)
+    for opt, sign in ((first, -1.0), (second, -1.0), (third, 1.0)):
+        population = opt.ask()
+        opt.tell(population, sign * sphere(population))
+    assert first.checksum() == second.checksum()
+    assert first.checksum() != third.checksum()
+    assert len(first.checksum()) == 64

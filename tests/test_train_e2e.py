@@ -1,0 +1,171 @@
+"""End to end through the real CLI on the bundled demo model: train, resume after kill -9, eval.
+
+Small settings keep each run to seconds; the full demo is measured in bench/, not here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+SMALL = [
+    "sft.steps=4",
+    "data.sft_size=32",
+    "data.batch_size=8",
+    "data.test_size=40",
+    "optimizer.population_size=4",
+    "evaluation.every=2",
+    "run.show_progress=false",
+]
+
+
+def essa(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "essa.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def sets(*items: str) -> list[str]:
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def adapter_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+@pytest.mark.slow
+def test_train_writes_run_dir_and_loadable_adapter(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    res = essa("train", "--run-dir", str(run_dir), *sets(*SMALL, "run.generations=3"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in (
+        "baseline_accuracy",
+        "final_accuracy",
+        "generations",
+        "wall_seconds",
+        "adapter_dir",
+    ):
+        assert key in summary
+    assert summary["generations"] == 3
+    assert 0.0 <= summary["final_accuracy"] <= 1.0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    gens = [r for r in records if r.get("generation", -1) >= 0]
+    assert [r["generation"] for r in gens] == [0, 1, 2]
+    assert all(r["mean_fitness"] is not None and 0 <= r["mean_fitness"] <= 1 for r in gens)
+    assert "heldout_accuracy" in gens[1]
+
+    # The exported adapter is a plain PEFT LoRA on the bundled base, and differs from the SFT one.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from essa.backends.hf import resolve_model_path
+
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:demo"))
+    model = PeftModel.from_pretrained(base, summary["adapter_dir"])
+    assert sum("lora_A" in n for n, _ in model.named_parameters()) > 0
+    sft = load_file(str(run_dir / "sft_adapter" / "adapter_model.safetensors"))
+    final = adapter_tensors(run_dir)
+    assert set(sft) == set(final)
+    sft_delta = {k: v for k, v in sft.items()}
+    assert any(not torch.allclose(final[k], sft_delta[k]) for k in final), "ESSA changed nothing"
+
+
+@pytest.mark.slow
+def test_existing_run_dir_is_not_overwritten(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "precious.txt").write_text("keep me")
+    res = essa("train", "--run-dir", str(run_dir), *sets(*SMALL, "run.generations=1"))
+    assert res.returncode == 2
+    assert "--resume" in res.stderr and "Traceback" not in res.stderr
+    assert (run_dir / "precious.txt").read_text() == "keep me"
+
+
+@pytest.mark.slow
+def test_kill_and_resume_matches_uninterrupted(tmp_path: Path) -> None:
+    generations = ["run.generations=5"]
+    ref = tmp_path / "ref"
+    res = essa("train", "--run-dir", str(ref), *sets(*SMALL, *generations))
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    run_dir = tmp_path / "killed"
+    cmd = [
+        sys.executable,
+        "-m",
+        "essa.cli",
+        "train",
+        "--run-dir",
+        str(run_dir),
+        *sets(*SMALL, *generations),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        done = metrics.exists() and '"generation": 1,' in metrics.read_text()
+        if done or proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "summary.json").exists(), "the run finished before it could be killed"
+
+    res = essa("train", "--resume", str(run_dir))
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = adapter_tensors(ref), adapter_tensors(run_dir)
+    assert set(a) == set(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    ref_summary = json.loads((ref / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_accuracy"] == ref_summary["final_accuracy"]
+    gens = [json.loads(line)["generation"] for line in metrics.read_text().splitlines()]
+    assert gens == [-1, 0, 1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_eval_command(tmp_path: Path) -> None:
+    out = tmp_path / "eval.json"
+    res = essa("eval", "--output", str(out), *sets("data.test_size=30"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["n"] == 30 and 0.0 <= result["pass@1"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("model.name_or_path=/nonexistent/model", "model.name_or_path: no such directory"),
+        (
+            "adapter.target_modules=[not_a_module]",
+            "adapter.target_modules: ['not_a_module'] not found",
+        ),
+        ("adapter.path=/nonexistent/adapter", "is not a PEFT adapter directory"),
+    ],
+)
+def test_bad_input_one_line_exit_2(tmp_path: Path, override: str, fragment: str) -> None:
+    res = essa("train", "--run-dir", str(tmp_path / "run"), *sets(*SMALL, override))
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert fragment in res.stderr
+    assert "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
