@@ -76,6 +76,15 @@ def _setup_logging() -> None:
         format="%(levelname)s %(name)s: %(message)s",
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    # Library chatter (weight-loading bars, deprecation notices) buries our own progress.
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="peft")
 
 
 def _resolve(config: Path | None, overrides: list[str] | None) -> Config:

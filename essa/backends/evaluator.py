@@ -85,6 +85,9 @@ class PopulationEvaluator:
     ) -> list[list[str]]:
         """Time each strategy on half the candidates and remember the faster one."""
         half = len(population) // 2
+        # First calls pay one-off costs; run each once on one row, outside the timing and stats.
+        self._batched(population[:1], prompts[:1], seed)
+        self._merged(population[:1], prompts[:1], seed)
         cost: dict[str, float] = {}
         parts: list[list[list[str]]] = []
         for strategy, rows in (("batched", population[:half]), ("merged", population[half:])):

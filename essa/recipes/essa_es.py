@@ -32,6 +32,8 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, console: Any = None
     from essa.adapters import SVDAdapter
     from essa.backends.evaluator import PopulationEvaluator
     from essa.backends.hf import load_model
+    from essa.dist import get_comm
+    from essa.dist.local import shard
     from essa.optimizers import make_optimizer
     from essa.recipes.common import (
         load_or_train_adapter,
@@ -42,6 +44,7 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, console: Any = None
     from essa.rewards import fitness_from_rewards, get_reward
 
     wall_start = time.perf_counter()
+    comm = get_comm()
     seed_everything(cfg.run.seed)
     task = load_task(cfg.data, cfg.run.seed)
     reward = get_reward(cfg.reward.name, **cfg.reward.params)
@@ -102,11 +105,15 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, console: Any = None
             gen_start = time.perf_counter()
             idx = _minibatch(len(task.train), cfg.data.batch_size, cfg.run.seed, g)
             prompts = [train_prompts[i] for i in idx]
-            population = opt.ask()
+            population = opt.ask()  # (P, D), identical on every rank
+            mine = shard(len(population), comm.rank, comm.world_size)
             tokens_before = evaluator.stats.new_tokens
-            texts = evaluator.completions(population, prompts, seed=cfg.run.seed * 100_003 + g)
+            texts = evaluator.completions(
+                population[mine], prompts, seed=cfg.run.seed * 100_003 + g
+            )
             answers = [task.train[i].answer for i in idx]
-            fitness = np.array([fitness_from_rewards(reward(t, answers, prompts)) for t in texts])
+            local = np.array([fitness_from_rewards(reward(t, answers, prompts)) for t in texts])
+            fitness = comm.allgather_fitness(local)  # (P,) float64: the only data crossing ranks
             opt_metrics = opt.tell(population, fitness)
             _track_best(state, population, fitness)
             seconds = time.perf_counter() - gen_start
@@ -184,7 +191,14 @@ def _generation_record(
         "new_tokens": tokens,
         "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
     }
-    record.update({k: float(v) for k, v in opt_metrics.items() if isinstance(v, int | float)})
+    # The optimizer's own view (sigma, grad norms, skipped generations); fitness is already above.
+    record.update(
+        {
+            k: float(v)
+            for k, v in opt_metrics.items()
+            if k not in record and k != "generation" and not k.startswith("fitness_")
+        }
+    )
     if evaluator.chosen:
         record["strategy"] = ",".join(sorted(set(evaluator.chosen.values())))
     return record
@@ -287,7 +301,7 @@ class _progress:
     def advance(self, record: dict[str, Any]) -> None:
         if self.bar is None:
             return
-        text = f"fit {record['mean_fitness'] or float('nan'):.3f}/{record['best_fitness'] or float('nan'):.3f}"
+        text = f"fitness mean {_fmt(record['mean_fitness'])} best {_fmt(record['best_fitness'])}"
         if "heldout_accuracy" in record:
             text += f" held-out {record['heldout_accuracy']:.3f}"
             self.bar.console.print(f"generation {record['generation'] + 1}: {text}")
@@ -296,3 +310,7 @@ class _progress:
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"

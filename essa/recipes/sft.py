@@ -104,9 +104,9 @@ def train_sft(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optim.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if progress is not None:
-            progress(float(loss))
+            progress(losses[-1])
     peft_model.eval()
     return losses
 

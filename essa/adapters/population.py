@@ -1,0 +1,215 @@
+"""Population-batched LoRA: every batch row of one forward pass carries its own candidate.
+
+Per adapted linear (essa.md §5), with M = V_Bᵀ U_A fixed and only two length-r scalings
+depending on the candidate c of a row:
+
+    y = W0 x + gamma * U_B (s̃_B[c] ⊙ M (s̃_A[c] ⊙ (V_Aᵀ x)))
+
+W0 x is computed by calling the original module, so quantised (bitsandbytes) linears work
+unchanged. The extra cost per token is one LoRA's worth (n r + r² + m r multiply-adds) at
+any population size. Rows are mapped to candidates once per batch by ``set_rows``; the
+per-row singular values are gathered there (one gather for all modules), not per forward.
+
+Deviations from the paper: none in the math (the paper does not describe its inference
+path). gamma is folded into the gathered s̃_B. The low-rank path runs in the model's
+floating dtype, like PEFT's LoRA forward.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from essa.adapters.svd import FactorSVD, SVDAdapter
+from essa.types import Population
+
+
+def candidate_rows(num_candidates: int, rows_per_candidate: int) -> torch.Tensor:
+    """Candidate-major row map: rows [c * q, (c + 1) * q) belong to candidate c. (P * q,)"""
+    return torch.arange(num_candidates).repeat_interleave(rows_per_candidate)
+
+
+class PopulationLinear(nn.Module):
+    """Wraps one target linear; adds the per-row candidate's low-rank update to base(x)."""
+
+    def __init__(
+        self, base: nn.Module, factor: FactorSVD, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.rank = factor.r
+        # Stored as F.linear weights: F.linear(x, W) = x @ Wᵀ.
+        self.register_buffer(
+            "basis_a", factor.v_a.T.to(device, dtype).contiguous(), persistent=False
+        )  # (r, n)
+        self.register_buffer("mix", factor.mix.to(device, dtype), persistent=False)  # (r, r)
+        self.register_buffer("basis_b", factor.u_b.to(device, dtype), persistent=False)  # (m, r)
+        # Views into PopulationLoRA's gathered rows, set by set_rows.
+        self.scale_a: torch.Tensor | None = None  # (B, r) s̃_A of each row's candidate
+        self.scale_b: torch.Tensor | None = None  # (B, r) gamma * s̃_B of each row's candidate
+
+    @property
+    def weight(self) -> torch.Tensor:
+        # Some HF code reads proj.weight (dtype, device); answer for the wrapped module.
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)  # (B, T, m)
+        if self.scale_a is None or self.scale_b is None:
+            raise RuntimeError(
+                "PopulationLoRA: call set_population() and set_rows() before forward"
+            )
+        rows = x.shape[0]
+        if rows != self.scale_a.shape[0]:
+            raise RuntimeError(
+                f"batch has {rows} rows but set_rows() mapped {self.scale_a.shape[0]}; "
+                "call set_rows() with one candidate index per batch row"
+            )
+        # (B, 1, r) for (B, T, n) input: the row's scaling broadcasts over the sequence.
+        row_shape = (rows,) + (1,) * (x.dim() - 2) + (self.rank,)
+        z = F.linear(x.to(self.basis_a.dtype), self.basis_a)  # (B, T, r)
+        z = z * self.scale_a.view(row_shape)  # (B, T, r)
+        z = F.linear(z, self.mix)  # (B, T, r)
+        z = z * self.scale_b.view(row_shape)  # (B, T, r)
+        # One fused GEMM adds U_B z onto the base output.
+        out = torch.addmm(
+            y.reshape(-1, y.shape[-1]),  # (B*T, m)
+            z.reshape(-1, self.rank).to(y.dtype),  # (B*T, r)
+            self.basis_b.T.to(y.dtype),  # (r, m)
+        )
+        return out.view(y.shape)
+
+
+class PopulationLoRA:
+    """Swap the adapter's target linears of a *base* HF model for PopulationLinear wrappers.
+
+    Wrapping happens on construction; ``close()`` (or leaving the ``with`` block) puts the
+    original modules back. Usage::
+
+        with PopulationLoRA(model, adapter) as pop:
+            pop.set_population(X)                        # (P, D) offsets
+            pop.set_rows(candidate_rows(P, len(prompts)))  # (B,) candidate of each row
+            model.generate(**batch_repeated_candidate_major)
+    """
+
+    def __init__(
+        self, model: nn.Module, adapter: SVDAdapter, dtype: torch.dtype | None = None
+    ) -> None:
+        self.model = model
+        self.adapter = adapter
+        self.dtype = dtype or _floating_dtype(model)
+        self._originals: dict[str, nn.Module] = {}
+        self._layers: dict[str, PopulationLinear] = {}
+        # Column of each module's [s̃_A | gamma s̃_B] block in the flat (P, W) values.
+        self._columns: dict[str, int] = {}
+        self._values: dict[torch.device, torch.Tensor] = {}  # device -> (P, W)
+        self._rows: torch.Tensor | None = None
+        try:
+            self._wrap()
+        except Exception:
+            self.close()
+            raise
+
+    def _wrap(self) -> None:
+        column = 0
+        for factor in self.adapter.modules:
+            parent_name, _, leaf = factor.name.rpartition(".")
+            parent = self.model.get_submodule(parent_name) if parent_name else self.model
+            original = getattr(parent, leaf)
+            if isinstance(original, PopulationLinear) or hasattr(original, "lora_A"):
+                raise ValueError(
+                    f"{factor.name} is already adapted; PopulationLoRA needs the bare base model"
+                )
+            layer = PopulationLinear(original, factor, self.dtype, _module_device(original))
+            setattr(parent, leaf, layer)
+            self._originals[factor.name] = original
+            self._layers[factor.name] = layer
+            self._columns[factor.name] = column
+            column += 2 * factor.r
+
+    @property
+    def num_candidates(self) -> int:
+        return next(iter(self._values.values())).shape[0] if self._values else 0
+
+    def set_population(self, population: Population) -> None:
+        """Load P candidates (P, D). Keeps the current row map if it still fits."""
+        values = self.adapter.singular_values(population)
+        blocks = [
+            torch.cat([s_a, self.adapter.module(name).gamma * s_b], dim=1)  # (P, 2r)
+            for name, (s_a, s_b) in values.items()
+        ]
+        flat = torch.cat(blocks, dim=1)  # (P, W) float64
+        devices = {layer.basis_a.device for layer in self._layers.values()}
+        self._values = {device: flat.to(device, self.dtype) for device in devices}
+        if self._rows is not None and int(self._rows.max()) < flat.shape[0]:
+            self.set_rows(self._rows)
+        else:
+            self._rows = None
+            self._assign(None)
+
+    def set_rows(self, candidates: torch.Tensor | np.ndarray | list[int]) -> None:
+        """Map batch rows to candidates: ``candidates[b]`` is the candidate of row b. (B,)"""
+        if not self._values:
+            raise RuntimeError("call set_population() before set_rows()")
+        rows = torch.as_tensor(candidates, dtype=torch.long).flatten().cpu()  # (B,)
+        if rows.numel() == 0 or int(rows.min()) < 0 or int(rows.max()) >= self.num_candidates:
+            raise ValueError(f"row candidates must lie in [0, {self.num_candidates})")
+        self._rows = rows
+        # One gather per device for all modules; the per-module scalings are views of it.
+        gathered = {
+            device: values.index_select(0, rows.to(device))  # (B, W)
+            for device, values in self._values.items()
+        }
+        self._assign(gathered)
+
+    def _assign(self, gathered: dict[torch.device, torch.Tensor] | None) -> None:
+        for name, layer in self._layers.items():
+            if gathered is None:
+                layer.scale_a = layer.scale_b = None
+                continue
+            rows = gathered[layer.basis_a.device]
+            column, r = self._columns[name], layer.rank
+            layer.scale_a = rows[:, column : column + r]
+            layer.scale_b = rows[:, column + r : column + 2 * r]
+
+    def close(self) -> None:
+        """Put the original modules back; safe to call twice."""
+        for name, original in self._originals.items():
+            parent_name, _, leaf = name.rpartition(".")
+            parent = self.model.get_submodule(parent_name) if parent_name else self.model
+            setattr(parent, leaf, original)
+        self._originals.clear()
+        self._layers.clear()
+        self._values.clear()
+        self._rows = None
+
+    unwrap = close
+
+    def __enter__(self) -> PopulationLoRA:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _floating_dtype(model: nn.Module) -> torch.dtype:
+    """The model's compute dtype: its first floating parameter (quantised weights are not)."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.float32
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
