@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -51,15 +52,28 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def guarded(fn: F) -> F:
-    """Turn user errors into one line on stderr and exit code 2."""
+    """Turn user errors into one line on stderr and exit code 2.
+
+    Under MPI (two or more ranks) any error, on any rank, is printed once and ends every rank
+    through MPI_Abort (code 2 for user errors, 1 otherwise), so no rank is left blocked in a
+    collective (essa/dist/mpi.py).
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from essa.dist import abort_all_ranks
+
         try:
             return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
         except _user_errors() as err:
+            abort_all_ranks(f"error: {err}", 2)  # returns only outside a multi-rank MPI job
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(2) from None
+        except Exception:
+            abort_all_ranks(traceback.format_exc().rstrip(), 1)
+            raise
 
     return wrapper  # type: ignore[return-value]
 
@@ -100,12 +114,17 @@ def train(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory")] = False,
     run_dir: Annotated[Path | None, typer.Option(help="Run directory (overrides run.dir)")] = None,
 ) -> None:
-    """Align a model with ESSA (SFT first when no adapter is given)."""
+    """Align a model with ESSA (SFT first when no adapter is given).
+
+    Under mpiexec/srun every rank runs this; see docs/scaling.md.
+    """
+    from essa.dist import get_comm
     from essa.rundir import prepare_run_dir
 
+    comm = get_comm()
     _setup_logging()
     if resume is not None:
-        if config is not None:
+        if config is not None and comm.rank == 0:
             typer.echo(
                 f"note: resuming with the config saved in {resume}; {config} is not read", err=True
             )
@@ -114,14 +133,19 @@ def train(
     else:
         cfg = _resolve(config, set_)
         directory = run_dir or Path(cfg.run.dir)
-    prepare_run_dir(directory, resume=resume is not None, overwrite=overwrite)
+    if comm.rank == 0:  # the others wait: rank 0 alone creates, checks or replaces it
+        prepare_run_dir(directory, resume=resume is not None, overwrite=overwrite)
+    comm.barrier()
     if cfg.algorithm == "essa":
         from essa.recipes import essa_es
 
-        summary = essa_es.run(cfg, directory, resume=resume is not None, console=_console())
+        summary = essa_es.run(
+            cfg, directory, resume=resume is not None, console=_console(), comm=comm
+        )
     else:  # pragma: no cover - the schema admits only the algorithms listed above
         raise UserError(f"algorithm: {cfg.algorithm} is not available")
-    typer.echo(json.dumps(summary, indent=2))
+    if comm.rank == 0:
+        typer.echo(json.dumps(summary, indent=2))
 
 
 @app.command()

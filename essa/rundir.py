@@ -101,17 +101,20 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
 class MetricsLog:
     """Append-only metrics.jsonl; each line is flushed so a crash loses at most one line."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, enabled: bool = True) -> None:
         self.path = path
+        self.enabled = enabled  # False on MPI ranks other than 0: they write nothing
 
     def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
             f.flush()
 
     def truncate_after(self, generation: int) -> None:
         """On resume, drop records of generations past the checkpoint (they will be redone)."""
-        if not self.path.exists():
+        if not self.enabled or not self.path.exists():
             return
         keep = []
         for line in self.path.read_text().splitlines():

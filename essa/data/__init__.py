@@ -1,11 +1,13 @@
-"""Task data: ``Example`` loaders, the built-in arithmetic task and prompt templates.
+"""Task data: ``Example`` loaders, the built-in arithmetic tasks and prompt templates.
 
-Imports only numpy and the standard library; ``pyarrow`` and ``datasets`` are imported inside
-the loaders that need them. Grading stays in ``essa.rewards``.
+Imports only numpy and the standard library; ``pyarrow``, ``datasets`` and ``reasoning_gym``
+are imported inside the loaders that need them. Grading stays in ``essa.rewards``.
 """
 
 from essa.data.loaders import (
+    BUILTIN_SOURCES,
     DataError,
+    builtin_examples,
     load_examples,
     record_to_example,
     shuffle,
@@ -14,8 +16,10 @@ from essa.data.loaders import (
 from essa.data.templates import TEMPLATES, known_templates, render_prompt
 
 __all__ = [
+    "BUILTIN_SOURCES",
     "TEMPLATES",
     "DataError",
+    "builtin_examples",
     "known_templates",
     "load_examples",
     "record_to_example",

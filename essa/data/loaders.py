@@ -3,7 +3,12 @@
 Sources (``load_examples(source, ...)``):
 
 - ``builtin:arithmetic``: the built-in ``a+b=`` task (``split="test"`` gives its fixed
-  held-out set, anything else its training pool);
+  held-out set, anything else its training pool); ``builtin:arithmetic3`` (three-digit
+  addition) and ``builtin:arithmetic_mixed`` (``+``, ``-``, ``*`` on 0..99) are harder levels
+  with their own fixed splits (:mod:`essa.data.generators`); :func:`builtin_examples` returns
+  a built-in's ``(train, test)``;
+- ``reasoning_gym:TASK``: a reasoning-gym task (optional ``[gym]`` extra, :mod:`essa.data.gym`;
+  ``split="test"`` gives its fixed held-out part), graded by the ``gym_score`` reward;
 - a local ``.jsonl``/``.ndjson``, ``.json``, ``.csv`` or ``.parquet`` file (Parquet needs
   ``pyarrow``);
 - otherwise a Hugging Face ``datasets`` id, optionally ``"id:config"`` (e.g.
@@ -31,10 +36,11 @@ from typing import Any
 import numpy as np
 
 from essa.data.arithmetic import arithmetic_examples
+from essa.data.generators import ARITHMETIC_LEVELS, level_examples
 from essa.rewards.extract import last_boxed, normalize_gold
 from essa.types import Example
 
-BUILTIN_SOURCES = ("builtin:arithmetic",)
+BUILTIN_SOURCES = ("builtin:arithmetic", *(f"builtin:{name}" for name in ARITHMETIC_LEVELS))
 FILE_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".parquet")
 
 # (where, record): "where" is "FILE:LINE" or "SOURCE: row N", used in error messages.
@@ -163,11 +169,29 @@ def record_to_example(
     return Example(prompt=question, answer=answer or None, solution=solution)
 
 
-def _builtin(source: str, split: str | None) -> list[Example]:
-    if source != "builtin:arithmetic":
+def builtin_examples(source: str) -> tuple[list[Example], list[Example]]:
+    """``(train, test)`` of a built-in source (one of :data:`BUILTIN_SOURCES`); the test part
+    is the fixed held-out set, independent of any run seed."""
+    if source == "builtin:arithmetic":
+        return arithmetic_examples()
+    name = source.removeprefix("builtin:")
+    if source not in BUILTIN_SOURCES:
         raise DataError(f"unknown built-in source {source!r}; known: {', '.join(BUILTIN_SOURCES)}")
-    train, test = arithmetic_examples()
+    return level_examples(name)
+
+
+def _builtin(source: str, split: str | None) -> list[Example]:
+    train, test = builtin_examples(source)
     return test if split == "test" else train
+
+
+def _gym(source: str, split: str | None) -> list[Example]:
+    from essa.data.gym import GYM_PREFIX, gym_examples
+
+    try:
+        return gym_examples(source.removeprefix(GYM_PREFIX), split)
+    except ValueError as error:
+        raise DataError(f"{source}: {error}") from error
 
 
 def _records(source: str, split: str | None) -> Iterator[Record]:
@@ -200,6 +224,8 @@ def load_examples(
         raise DataError(f"{source}: limit must be >= 1, got {limit}")
     if source.startswith("builtin:"):
         examples = _builtin(source, split)[:limit]
+    elif source.startswith("reasoning_gym:"):
+        examples = _gym(source, split)[:limit]
     else:
         examples = []
         for where, record in _records(source, split):

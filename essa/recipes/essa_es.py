@@ -23,20 +23,31 @@ from typing import Any
 import numpy as np
 
 from essa.config import Config, dump_config
+from essa.dist import Comm
+from essa.errors import UserError
 from essa.rundir import MetricsLog, atomic_write_json, recover
 from essa.types import AdapterVector, Example
 
 
-def run(cfg: Config, run_dir: Path, *, resume: bool = False, console: Any = None) -> dict[str, Any]:
-    """Train with ESSA; return the summary (also written to ``run_dir/summary.json``)."""
+def run(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    console: Any = None,
+    comm: Comm | None = None,
+) -> dict[str, Any]:
+    """Train with ESSA; return the summary (also written to ``run_dir/summary.json``).
+
+    Under MPI every rank calls this; rank 0 alone prints, writes the run directory and returns
+    the summary (the others return ``{}``).
+    """
     from essa.adapters import SVDAdapter
     from essa.backends.evaluator import PopulationEvaluator
     from essa.backends.hf import load_model
-    from essa.dist import get_comm
-    from essa.dist.local import shard
+    from essa.dist import any_rank, check_replicas, get_comm, place_rank, shard
     from essa.optimizers import make_optimizer
     from essa.recipes.common import (
-        load_or_train_adapter,
         load_task,
         render_prompts,
         seed_everything,
@@ -44,14 +55,18 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, console: Any = None
     from essa.rewards import fitness_from_rewards, get_reward
 
     wall_start = time.perf_counter()
-    comm = get_comm()
+    comm = get_comm() if comm is None else comm
+    is_root = comm.rank == 0
+    console = console if is_root else None  # one progress bar, one set of messages
     seed_everything(cfg.run.seed)
     task = load_task(cfg.data, cfg.run.seed)
     reward = get_reward(cfg.reward.name, **cfg.reward.params)
-    model, tokenizer = load_model(cfg.model)
-    if not resume:
+    model, tokenizer = load_model(place_rank(cfg.model, comm))
+    if is_root and not resume:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
-    peft_model, sft_dir = load_or_train_adapter(cfg, model, tokenizer, task, run_dir, console)
+    peft_model, sft_dir = _adapter_on_every_rank(
+        cfg, model, tokenizer, task, run_dir, console, comm
+    )
     adapter = SVDAdapter.from_peft_model(peft_model, alpha=cfg.adapter.alpha)
     model = peft_model.unload()  # the base; candidates are applied by the evaluator
     evaluator = PopulationEvaluator(model, tokenizer, adapter, cfg.generation, cfg.evaluation)
@@ -59,6 +74,8 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, console: Any = None
     test_prompts = render_prompts(task.test, cfg.data.template, tokenizer)
 
     def heldout(vector: AdapterVector) -> float:
+        if not is_root:
+            return float("nan")  # rank 0 alone reports it; it never feeds back into training
         return _accuracy(evaluator, vector, task.test, test_prompts)
 
     stds = adapter.stds() if cfg.optimizer.use_relative_steps else None
@@ -71,7 +88,7 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, console: Any = None
         stds=stds,
         **_optimizer_options(cfg),
     )
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=is_root)
     state = _load_checkpoint(run_dir, opt) if resume else None
     if state is None:
         metrics.truncate_after(-2)
@@ -103,6 +120,7 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, console: Any = None
         while opt.generation < cfg.run.generations:
             g = opt.generation
             gen_start = time.perf_counter()
+            bytes_before = comm.comm_bytes
             idx = _minibatch(len(task.train), cfg.data.batch_size, cfg.run.seed, g)
             prompts = [train_prompts[i] for i in idx]
             population = opt.ask()  # (P, D), identical on every rank
@@ -115,6 +133,7 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, console: Any = None
             local = np.array([fitness_from_rewards(reward(t, answers, prompts)) for t in texts])
             fitness = comm.allgather_fitness(local)  # (P,) float64: the only data crossing ranks
             opt_metrics = opt.tell(population, fitness)
+            check_replicas(comm, opt, g)  # every rank must now hold the same state
             _track_best(state, population, fitness)
             seconds = time.perf_counter() - gen_start
             record = _generation_record(
@@ -125,18 +144,54 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, console: Any = None
                 evaluator.stats.new_tokens - tokens_before,
                 evaluator,
             )
+            record.update(world_size=comm.world_size, comm_bytes=comm.comm_bytes - bytes_before)
             if cfg.evaluation.every and (g + 1) % cfg.evaluation.every == 0:
                 record["heldout_accuracy"] = heldout(opt.mean)
             state["elapsed"] = elapsed_before + time.perf_counter() - wall_start
-            _save_checkpoint(run_dir, opt, state)
+            if is_root:
+                _save_checkpoint(run_dir, opt, state)
             metrics.write(record)
             advance(record)
-            if cfg.run.max_wall_seconds and state["elapsed"] > cfg.run.max_wall_seconds:
+            # Ranks time themselves differently: they must agree to stop, or some would block.
+            if cfg.run.max_wall_seconds and any_rank(
+                comm, state["elapsed"] > cfg.run.max_wall_seconds
+            ):
                 _say(console, f"stopping: run.max_wall_seconds={cfg.run.max_wall_seconds} reached")
                 break
     state["test_size"] = len(task.test)
     state["elapsed"] = elapsed_before + time.perf_counter() - wall_start
+    if not is_root:
+        return {}  # rank 0 alone evaluates, exports and writes the summary
     return _finish(cfg, run_dir, adapter, opt, state, heldout, sft_dir, wall_start, console)
+
+
+def _adapter_on_every_rank(
+    cfg: Config,
+    model: Any,
+    tokenizer: Any,
+    task: Any,
+    run_dir: Path,
+    console: Any,
+    comm: Comm,
+) -> tuple[Any, str]:
+    """Rank 0 loads or trains (and saves) the adapter; then the other ranks load the saved one.
+
+    Loading rank 0's saved SFT adapter, rather than training it on every rank, gives every
+    replica bit-identical singular values even where training is not deterministic (GPU kernels).
+    """
+    from essa.recipes.common import load_or_train_adapter
+
+    if comm.rank == 0:
+        loaded = load_or_train_adapter(cfg, model, tokenizer, task, run_dir, console)
+    comm.barrier()
+    if comm.rank != 0:
+        if cfg.adapter.path is None and not (run_dir / "sft_adapter").is_dir():
+            raise UserError(
+                f"run.dir {run_dir}: rank {comm.rank} cannot see the SFT adapter rank 0 saved "
+                "there; with ranks on several nodes run.dir must be on a shared filesystem"
+            )
+        loaded = load_or_train_adapter(cfg, model, tokenizer, task, run_dir, None)
+    return loaded
 
 
 def _optimizer_options(cfg: Config) -> dict[str, Any]:

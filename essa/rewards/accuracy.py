@@ -83,7 +83,9 @@ class MathVerifier:
     def grade(self, completions: Sequence[str], answers: Sequence[str | None]) -> list[Grade]:
         """One :class:`~essa.rewards.grading.Grade` per (completion, gold answer) pair."""
         grades: list[Grade | None] = [None] * len(completions)
-        pending: dict[tuple[str, str | None], list[int]] = {}
+        golds: list[str] = []
+        preds: list[str | None] = []
+        where: list[int] = []
         for i, (completion, answer) in enumerate(zip(completions, answers, strict=True)):
             if answer is None:
                 grades[i] = Grade(None, "no_gold")
@@ -92,7 +94,20 @@ class MathVerifier:
             if not gold:
                 grades[i] = Grade(None, "bad_gold")
                 continue
-            pred = extract_answer(completion, use_last_number=self.use_last_number)
+            golds.append(gold)
+            preds.append(extract_answer(completion, use_last_number=self.use_last_number))
+            where.append(i)
+        for i, grade in zip(where, self.compare(golds, preds), strict=True):
+            grades[i] = grade
+        return [grade for grade in grades if grade is not None]
+
+    def compare(self, golds: Sequence[str], preds: Sequence[str | None]) -> list[Grade]:
+        """Grade already-extracted answers ``preds`` against normalised, non-empty ``golds``
+        (no extraction): ``verify(gold, pred)``, gold first. Also the equivalence test of the
+        answer clustering in :mod:`essa.rewards.label_free`."""
+        grades: list[Grade | None] = [None] * len(golds)
+        pending: dict[tuple[str, str | None], list[int]] = {}
+        for i, (gold, pred) in enumerate(zip(golds, preds, strict=True)):
             grade = fast_grade(gold, pred) if self.use_fast_path else None
             if grade is None:
                 grade = self._cache.get((gold, pred))

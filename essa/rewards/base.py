@@ -3,6 +3,20 @@
 A reward is called as ``reward(completions, answers, prompts) -> list[float | None]`` with three
 equal-length lists; ``None`` means "cannot be graded" and is skipped by
 :func:`fitness_from_rewards` (spec rewards-and-eval.md §1).
+
+**Grouping contract.** Items whose ``prompts`` entries are *equal strings* form one group: the
+completions sampled for the same prompt. A *group reward* (``reward.is_group``; majority vote,
+answer frequency, the ``noisy`` wrapper) scores each completion relative to the other members of
+its group *in the same call*, so the caller must pass every completion of a prompt in one call
+(members need not be adjacent; order within a group matters only for tie-breaking, which goes to
+the first occurrence). A group split across calls is scored as separate, smaller groups. Plain
+rewards score each item on its own and do not care how a batch is cut. For ES fitness this means:
+pool the completions of all candidates for the shared prompt batch into one call, then split the
+scores back per candidate (:func:`group_indices` gives the groups).
+
+**Side inputs.** ``reward.needs`` names inputs a reward needs beyond the three lists (empty for
+text rewards; ``{"completion_logprobs"}`` or ``{"reference_logprobs"}`` for the log-probability
+rewards of :mod:`essa.rewards.logprob`, which say how a backend supplies them).
 """
 
 from __future__ import annotations
@@ -13,6 +27,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -77,37 +93,68 @@ def _as_score(value: object) -> float | None:
     return score
 
 
+def group_indices(prompts: Sequence[str]) -> list[list[int]]:
+    """Item indices grouped by equal prompt string, groups in order of first occurrence.
+
+    >>> group_indices(["a", "b", "a", "c", "b"])
+    [[0, 2], [1, 4], [3]]
+    """
+    groups: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(prompt, []).append(i)
+    return list(groups.values())
+
+
 class Reward:
     """A named batch reward with error isolation and counters.
 
     Calling it scores each item. If the wrapped function raises, or returns a list of the wrong
     length or with a value that is not a real number or None, the batch is re-scored one item
-    at a time; an item that still fails scores None and is counted in ``stats.n_error``
-    (logged once per call). A reward never raises for bad items; it raises ValueError only when
-    the three input lists differ in length.
+    at a time (one *group* at a time for a group reward, see the module docstring); an item
+    that still fails scores None and is counted in ``stats.n_error`` (logged once per call).
+    A reward never raises for bad items; it raises ValueError only when the input lists differ
+    in length.
+
+    Attributes:
+        is_group: scores depend on the other completions of the same prompt in the call.
+        needs: side inputs beyond (completions, answers, prompts); empty for text rewards.
     """
 
-    def __init__(self, name: str, fn: ScoreFn, stats: RewardStats | None = None) -> None:
+    needs: frozenset[str] = frozenset()
+
+    def __init__(
+        self, name: str, fn: ScoreFn, stats: RewardStats | None = None, *, is_group: bool = False
+    ) -> None:
         self.name = name
-        self.fn = fn
+        self.fn: Callable[..., object] = fn
         self.stats = stats if stats is not None else RewardStats()
+        self.is_group = is_group
 
     def __repr__(self) -> str:
-        return f"Reward({self.name!r})"
+        return f"{type(self).__name__}({self.name!r})"
 
     def __call__(
         self, completions: list[str], answers: list[str | None], prompts: list[str]
     ) -> list[float | None]:
-        if not len(completions) == len(answers) == len(prompts):
+        return self._score_columns(
+            ("completions", "answers", "prompts"), (completions, answers, prompts)
+        )
+
+    def _score_columns(
+        self, names: tuple[str, ...], columns: tuple[Sequence[object], ...]
+    ) -> list[float | None]:
+        """Score ``self.fn(*columns)``; ``columns[2]`` are the prompts (they define groups)."""
+        lengths = [len(column) for column in columns]
+        if len(set(lengths)) > 1:
             raise ValueError(
-                f"reward {self.name!r}: completions, answers and prompts differ in length "
-                f"({len(completions)}, {len(answers)}, {len(prompts)})"
+                f"reward {self.name!r}: {', '.join(names[:-1])} and {names[-1]} differ in length "
+                f"({', '.join(map(str, lengths))})"
             )
-        completions, answers, prompts = list(completions), list(answers), list(prompts)
+        lists = tuple(list(column) for column in columns)
         try:
-            scores = self._checked(self.fn(completions, answers, prompts), len(completions))
+            scores = self._checked(self.fn(*lists), lengths[0])
         except Exception:
-            scores = self._score_items(completions, answers, prompts)
+            scores = self._score_pieces(lists)
         n_none = sum(score is None for score in scores)
         self.stats.add(n_items=len(scores), n_none=n_none)
         return scores
@@ -118,27 +165,38 @@ class Reward:
             raise ValueError(f"expected a list of {n} scores, got {type(raw).__name__}")
         return [_as_score(value) for value in raw]
 
-    def _score_items(
-        self, completions: list[str], answers: list[str | None], prompts: list[str]
-    ) -> list[float | None]:
-        scores: list[float | None] = []
+    def _score_pieces(self, columns: tuple[list[object], ...]) -> list[float | None]:
+        """Re-score item by item (group by group for a group reward); failures score None."""
+        n = len(columns[0])
+        prompts = columns[2]
+        pieces = group_indices(prompts) if self.is_group else [[i] for i in range(n)]  # type: ignore[arg-type]
+        scores: list[float | None] = [None] * n
         first_error: Exception | None = None
-        for completion, answer, prompt in zip(completions, answers, prompts, strict=True):
+        n_failed = 0
+        for piece in pieces:
             try:
-                scores.append(self._checked(self.fn([completion], [answer], [prompt]), 1)[0])
+                part = self._checked(
+                    self.fn(*([column[i] for i in piece] for column in columns)), len(piece)
+                )
             except Exception as error:
-                scores.append(None)
-                self.stats.add(n_error=1)
+                n_failed += len(piece)
+                self.stats.add(n_error=len(piece))
                 first_error = first_error or error
+                continue
+            for i, score in zip(piece, part, strict=True):
+                scores[i] = score
         if first_error is not None:
             logger.warning(
                 "reward %r failed on %d of %d items (scored None); first error: %r",
                 self.name,
-                sum(score is None for score in scores),
-                len(scores),
+                n_failed,
+                n,
                 first_error,
             )
         return scores
+
+    def check_callable(self) -> None:
+        """Raise ValueError if the plain 3-list call cannot work (a side input is not bound)."""
 
 
 def fitness_from_rewards(scores: Sequence[float | None]) -> float:
@@ -158,7 +216,9 @@ def combine(parts: Sequence[tuple[Reward, float]], name: str | None = None) -> R
 
     None handling: a part that scores None for an item contributes nothing to that item (the
     weights are *not* renormalised); the combined score is None only when every part is None.
-    Each part keeps its own ``stats``; the combination has its own as well.
+    Each part keeps its own ``stats``; the combination has its own as well. The combination is
+    a group reward if any part is. Parts are called with the three lists, so a log-probability
+    reward must have its scorer bound (see :mod:`essa.rewards.logprob`).
 
     >>> from essa.rewards import get_reward
     >>> both = combine([(get_reward("exact_match"), 0.9), (get_reward("format"), 0.1)])
@@ -172,6 +232,7 @@ def combine(parts: Sequence[tuple[Reward, float]], name: str | None = None) -> R
             raise TypeError(f"combine expects Reward objects, got {type(reward).__name__}")
         if not math.isfinite(weight):
             raise ValueError(f"weight of {reward.name!r} is not finite: {weight}")
+        reward.check_callable()
 
     def weighted_sum(
         completions: list[str], answers: list[str | None], prompts: list[str]
@@ -185,4 +246,41 @@ def combine(parts: Sequence[tuple[Reward, float]], name: str | None = None) -> R
         return totals
 
     label = name or " + ".join(f"{weight:g}*{reward.name}" for reward, weight in parts)
-    return Reward(label, weighted_sum)
+    return Reward(label, weighted_sum, is_group=any(reward.is_group for reward, _ in parts))
+
+
+def noisy(reward: Reward, flip_prob: float, seed: int = 0, name: str | None = None) -> Reward:
+    """Reward-noise wrapper (spec §8, "The Climb Carves Wisdom Deeper Than the Summit").
+
+    For each group of completions of the same prompt (see the module docstring), with
+    probability ``flip_prob`` the whole group's rewards are flipped, ``r -> 1 - r``; otherwise
+    they are kept. None stays None. The decision is drawn once per group, in order of first
+    occurrence, from ``np.random.default_rng(seed)`` created here: the same seed and the same
+    sequence of calls give the same flips. Meant for rewards in [0, 1] (binary correctness).
+    Always a group reward; with one completion per prompt every item is its own group.
+
+    >>> from essa.rewards import get_reward
+    >>> noisy(get_reward("exact_match"), flip_prob=1.0)(["4", "5", "4"], ["4", "4", "4"], ["a", "a", "b"])
+    [0.0, 1.0, 0.0]
+    """
+    if not 0.0 <= flip_prob <= 1.0:
+        raise ValueError(f"flip_prob must be in [0, 1], got {flip_prob}")
+    if not isinstance(reward, Reward):
+        raise TypeError(f"noisy expects a Reward, got {type(reward).__name__}")
+    reward.check_callable()
+    rng = np.random.default_rng(seed)
+
+    def flipped(
+        completions: list[str], answers: list[str | None], prompts: list[str]
+    ) -> list[float | None]:
+        scores = reward(completions, answers, prompts)
+        groups = group_indices(prompts)
+        flips = rng.random(len(groups)) < flip_prob  # (n_groups,) one decision per group
+        for group, flip in zip(groups, flips, strict=True):
+            if flip:
+                for i in group:
+                    score = scores[i]
+                    scores[i] = None if score is None else 1.0 - score
+        return scores
+
+    return Reward(name or f"noisy({reward.name}, {flip_prob:g})", flipped, is_group=True)

@@ -1,0 +1,52 @@
+"""``reasoning_gym:TASK`` sources: a reasoning-gym procedural task as examples (optional extra).
+
+``pip install reasoning-gym`` (Apache-2.0; the ``[gym]`` extra). ``reasoning_gym`` is imported
+only when such a source or the ``gym_score`` reward is used.
+
+The task is generated once with fixed ``size`` and ``seed`` (:data:`GYM_SIZE`,
+:data:`GYM_SEED`): the last :data:`GYM_NUM_TEST` entries are the held-out ``split="test"``; the
+others, minus any whose question also occurs in the test part, are the training pool (any
+other split). The ``gym_score`` reward regenerates the same dataset (same defaults) to grade a
+completion with the task's own ``score_answer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from essa.types import Example
+
+GYM_PREFIX = "reasoning_gym:"
+GYM_SIZE = 2000
+GYM_SEED = 20251129
+GYM_NUM_TEST = 200
+
+
+def gym_dataset(task: str, *, size: int = GYM_SIZE, seed: int = GYM_SEED) -> Any:
+    """``reasoning_gym.create_dataset(task, size=size, seed=seed)`` with clear errors."""
+    try:
+        import reasoning_gym
+    except ImportError as error:
+        raise ValueError(
+            f"task {task!r} needs reasoning-gym (pip install reasoning-gym, or the [gym] extra)"
+        ) from error
+    known = sorted(reasoning_gym.factory.DATASETS)
+    if task not in known:
+        raise ValueError(f"unknown reasoning-gym task {task!r}; known: {', '.join(known)}")
+    return reasoning_gym.create_dataset(task, size=size, seed=seed)
+
+
+def gym_examples(task: str, split: str | None = None) -> list[Example]:
+    """Examples of reasoning-gym ``task``: the fixed test part for ``split="test"``, else the
+    training pool (see the module docstring). ``answer`` is the task's reference answer."""
+    entries = list(gym_dataset(task))
+    train, test = entries[:-GYM_NUM_TEST], entries[-GYM_NUM_TEST:]
+    if split == "test":
+        chosen = test
+    else:
+        held_out = {entry["question"] for entry in test}
+        chosen = [entry for entry in train if entry["question"] not in held_out]
+    return [
+        Example(prompt=str(entry["question"]), answer=str(entry["answer"]), solution=None)
+        for entry in chosen
+    ]

@@ -1,0 +1,92 @@
+"""Programs run by tests/test_mpi.py under ``mpiexec``, and test-only rewards.
+
+``python tests/mpi_helpers.py allgather``: exercise MPIComm with uneven shards; each rank prints
+one JSON line. ``python tests/mpi_helpers.py fault``: rank 1 raises inside the CLI's fault
+handler while rank 0 waits in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+
+def char_variety(
+    completions: list[str], answers: list[str | None], prompts: list[str]
+) -> list[float | None]:
+    """Distinct characters per completion, scaled: a graded signal even from a random model."""
+    return [len(set(text)) / 8.0 for text in completions]
+
+
+def fail_on_rank(rank: int) -> Any:
+    """A reward factory that raises on MPI rank ``rank`` (the fault is in the factory: the
+    scoring call isolates errors by design)."""
+    if os.environ.get("PMI_RANK") == str(rank):
+        raise RuntimeError(f"injected fault on rank {rank}")
+    return char_variety
+
+
+class _FakeOptimizer:
+    def __init__(self, digest: str) -> None:
+        self.digest = digest
+
+    def checksum(self) -> str:
+        return self.digest
+
+
+def allgather() -> None:
+    from essa.dist import ReplicaMismatchError, check_replicas, get_comm, shard
+    from essa.dist.mpi import MPIComm
+
+    comm = get_comm()
+    assert isinstance(comm, MPIComm), type(comm)
+    population_size = 5
+    mine = shard(population_size, comm.rank, comm.world_size)
+    local = np.arange(population_size, dtype=np.float64)[mine] + 0.5  # (|mine|,)
+    if comm.rank == 1:
+        local[-1] = np.nan  # failed evaluations travel as NaN
+    fitness = comm.allgather_fitness(local)
+    bytes_fitness = comm.comm_bytes
+    names = comm.allgather_str(f"rank-{comm.rank}")
+    check_replicas(comm, _FakeOptimizer("same"), 0)
+    try:
+        check_replicas(comm, _FakeOptimizer("aaa" if comm.rank == 0 else "bbb"), 7)
+        mismatch = ""
+    except ReplicaMismatchError as err:
+        mismatch = str(err)
+    out = {
+        "rank": comm.rank,
+        "world_size": comm.world_size,
+        "local_rank": comm.local_rank,
+        "local_size": comm.local_size,
+        "shard": [mine.start, mine.stop],
+        "fitness": [None if np.isnan(f) else float(f) for f in fitness],
+        "bytes_fitness": bytes_fitness,
+        "names": names,
+        "mismatch": mismatch,
+    }
+    comm.barrier()
+    print(json.dumps(out), flush=True)
+
+
+def fault() -> None:
+    from essa.cli import guarded
+    from essa.dist import get_comm
+
+    @guarded
+    def work() -> None:
+        comm = get_comm()
+        comm.barrier()
+        if comm.rank == 1:
+            raise RuntimeError("injected fault on rank 1")
+        comm.allgather_fitness(np.zeros(1))  # rank 0 blocks here until the abort
+
+    work()
+
+
+if __name__ == "__main__":
+    {"allgather": allgather, "fault": fault}[sys.argv[1]]()

@@ -1,0 +1,299 @@
+"""Multi-rank runs under a real ``mpiexec`` (MPICH from ``pip install 'essa-align[mpi]'``).
+
+Skipped, with the reason, when no mpiexec or mpi4py is installed. Every run is tiny (a random
+2-layer model, population 4, 4 prompts, 8 new tokens) so the file takes well under two minutes
+on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from essa.config import ModelConfig
+from essa.dist import LocalComm, any_rank, check_replicas, get_comm, place_rank, shard
+from essa.dist.mpi import detect_mpi_launch
+from essa.errors import UserError
+
+TESTS = Path(__file__).parent
+SMALL = [
+    "sft.steps=10",
+    "sft.lr=0.01",
+    "data.sft_size=32",
+    "data.batch_size=4",
+    "data.test_size=20",
+    "optimizer.population_size=4",
+    "optimizer.sigma0=3",
+    "evaluation.every=2",
+    "evaluation.strategy=batched",  # the same strategy on every rank: bit-identical fitness
+    "run.show_progress=false",
+    "reward.name=mpi_helpers:char_variety",
+]
+# Differ by rank count by design: timings, rank 0's own token count, the exchange itself.
+PER_RANK_KEYS = {"seconds", "tokens_per_second", "new_tokens", "world_size", "comm_bytes"}
+
+
+def find_mpiexec() -> str | None:
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def mpi_ready() -> str:
+    """Empty when multi-rank tests can run, else the reason they cannot."""
+    if find_mpiexec() is None:
+        return "no mpiexec (pip install 'essa-align[mpi]')"
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (pip install 'essa-align[mpi]')"
+    return ""
+
+
+needs_mpi = pytest.mark.skipif(bool(mpi_ready()), reason=mpi_ready() or "ready")
+
+
+def launch(
+    ranks: int, *args: str, timeout: float = 300
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``python ARGS`` on ``ranks`` MPI ranks (0: plain, no mpiexec); return (result, s)."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    env.pop("ESSA_DIST", None)
+    prefix = [find_mpiexec() or "mpiexec", "-n", str(ranks)] if ranks else []
+    start = time.perf_counter()
+    result = subprocess.run(
+        [*prefix, sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    return result, time.perf_counter() - start
+
+
+def train(ranks: int, *args: str, sets: list[str]) -> subprocess.CompletedProcess[str]:
+    overrides = [a for item in sets for a in ("--set", item)]
+    res, _ = launch(ranks, "-m", "essa.cli", "train", *args, *overrides)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return res
+
+
+def small(model_dir: Path, *extra: str) -> list[str]:
+    return [f"model.name_or_path={model_dir}", *SMALL, *extra]
+
+
+def generations(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def trajectory(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in PER_RANK_KEYS} for r in generations(run_dir)]
+
+
+def adapter(run_dir: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def assert_same_adapter(a: Path, b: Path) -> None:
+    x, y = adapter(a), adapter(b)
+    assert set(x) == set(y)
+    for key in x:
+        assert np.array_equal(x[key], y[key]), key
+
+
+# ------------------------------------------------------------------ single process, no mpiexec
+
+
+def test_detect_mpi_launch() -> None:
+    assert detect_mpi_launch({}) is None
+    assert detect_mpi_launch({"PMI_RANK": "0", "PMI_SIZE": "1"}) is None  # mpiexec -n 1
+    assert detect_mpi_launch({"OMPI_COMM_WORLD_SIZE": "4"}) == "OMPI_COMM_WORLD_SIZE=4"
+    # sbatch's own script sees SLURM_NTASKS of the allocation, but only srun sets the step size.
+    assert detect_mpi_launch({"SLURM_NTASKS": "8", "SLURM_PROCID": "0"}) is None
+    assert detect_mpi_launch({"SLURM_STEP_NUM_TASKS": "8"}) == "SLURM_STEP_NUM_TASKS=8"
+
+
+def test_get_comm_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("ESSA_DIST", raising=False)
+    assert isinstance(get_comm(), LocalComm)
+    monkeypatch.setenv("PMI_SIZE", "2")
+    assert isinstance(get_comm("local"), LocalComm)
+    monkeypatch.setenv("ESSA_DIST", "everywhere")
+    with pytest.raises(UserError, match="ESSA_DIST=everywhere"):
+        get_comm()
+
+
+def test_local_comm_helpers() -> None:
+    comm = LocalComm()
+    assert comm.allgather_fitness(np.array([1.0, np.nan])).tolist()[0] == 1.0
+    assert any_rank(comm, True) and not any_rank(comm, False)
+    check_replicas(comm, object(), 0)  # one rank: nothing to compare, no checksum computed
+    for size in range(1, 9):
+        for world in range(1, 6):
+            slices = [shard(size, r, world) for r in range(world)]
+            assert [i for s in slices for i in range(size)[s]] == list(range(size))
+            assert (
+                max(s.stop - s.start for s in slices) - min(s.stop - s.start for s in slices) <= 1
+            )
+
+
+class FakeComm(LocalComm):
+    def __init__(self, world_size: int, local_rank: int, local_size: int) -> None:
+        self.world_size, self.local_rank, self.local_size = world_size, local_rank, local_size
+
+
+def test_place_rank_one_rank_per_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    auto = ModelConfig()
+    assert place_rank(auto, FakeComm(4, 3, 4)).device == "cuda:1"  # local rank 3 of 4, 2 GPUs
+    assert place_rank(replace(auto, device="cuda"), FakeComm(2, 0, 2)).device == "cuda:0"
+    assert place_rank(replace(auto, device="cuda:1"), FakeComm(2, 0, 2)).device == "cuda:1"
+    assert place_rank(auto, FakeComm(1, 0, 1)) == auto  # one process: untouched
+
+
+def test_place_rank_splits_cpu_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert place_rank(ModelConfig(), FakeComm(4, 1, 4)).num_threads == 2
+    assert place_rank(ModelConfig(num_threads=3), FakeComm(4, 1, 4)).num_threads == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert place_rank(ModelConfig(), FakeComm(4, 1, 4)).num_threads == 3  # bound by launcher
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert place_rank(ModelConfig(), FakeComm(4, 1, 4)).num_threads is None
+
+
+# ------------------------------------------------------------------------- real mpiexec runs
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_allgather_uneven_shards() -> None:
+    res, _ = launch(2, str(TESTS / "mpi_helpers.py"), "allgather", timeout=60)
+    assert res.returncode == 0, res.stderr[-3000:]
+    outs = sorted((json.loads(line) for line in res.stdout.splitlines()), key=lambda o: o["rank"])
+    assert [o["rank"] for o in outs] == [0, 1]
+    assert [o["shard"] for o in outs] == [[0, 3], [3, 5]]
+    for out in outs:
+        assert out["world_size"] == 2 and out["local_size"] == 2
+        assert out["fitness"] == [0.5, 1.5, 2.5, 3.5, None]
+        assert out["names"] == ["rank-0", "rank-1"]
+        assert "ranks [0] have aaa; ranks [1] have bbb" in out["mismatch"]
+    assert sorted(o["local_rank"] for o in outs) == [0, 1]
+    # Payload received from the other rank: its count (8 bytes) and its float64 fitness.
+    assert [o["bytes_fitness"] for o in outs] == [8 + 2 * 8, 8 + 3 * 8]
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_fault_on_one_rank_ends_every_rank() -> None:
+    res, seconds = launch(2, str(TESTS / "mpi_helpers.py"), "fault", timeout=60)
+    assert res.returncode != 0
+    assert seconds < 30
+    assert (res.stdout + res.stderr).count("RuntimeError: injected fault on rank 1") == 1
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """A single-process run (no mpiexec) of 3 generations."""
+    run_dir = tmp_path_factory.mktemp("mpi") / "one-rank"
+    train(0, "--run-dir", str(run_dir), sets=small(tiny_model_dir, "run.generations=3"))
+    return run_dir
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_two_ranks_match_one_rank(reference: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "two-ranks"
+    res = train(2, "--run-dir", str(run_dir), sets=small(tiny_model_dir, "run.generations=3"))
+    # Rank 0 alone prints the summary and messages; the others print nothing.
+    assert res.stdout.count('"final_accuracy"') == 1
+    assert res.stdout.count("ESSA: D=") == 1
+    assert trajectory(run_dir) == trajectory(reference)  # same fitness, sigma, held-out, ...
+    records = generations(run_dir)[1:]
+    # Rank 0 receives 2 fitness values (16 B), a sha256 hex checksum (64 B), 2 counts (16 B).
+    assert all(r["world_size"] == 2 and r["comm_bytes"] == 96 for r in records)
+    assert_same_adapter(run_dir, reference)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ref_summary = json.loads((reference / "summary.json").read_text())
+    assert summary["final_accuracy"] == ref_summary["final_accuracy"]
+    leftovers = {p.name for p in run_dir.iterdir()} - {
+        "config.yaml",
+        "metrics.jsonl",
+        "checkpoint.json",
+        "sft_adapter",
+        "adapter",
+        "summary.json",
+    }
+    assert not leftovers
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_resume_with_another_rank_count(
+    reference: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Three ranks (shards of 2, 1, 1) for two generations, then one process for the third."""
+    run_dir = tmp_path / "three-then-one"
+    train(3, "--run-dir", str(run_dir), sets=small(tiny_model_dir, "run.generations=2"))
+    train(0, "--resume", str(run_dir), sets=["run.generations=3"])
+    assert trajectory(run_dir) == trajectory(reference)
+    assert_same_adapter(run_dir, reference)
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_more_ranks_than_candidates(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Population 2 on 3 ranks: rank 2 evaluates nothing but joins every exchange."""
+    run_dir = tmp_path / "run"
+    sets = small(tiny_model_dir, "optimizer.population_size=2", "run.generations=1")
+    train(3, "--run-dir", str(run_dir), sets=[*sets, "sft.steps=1", "data.test_size=5"])
+    (record,) = [r for r in generations(run_dir) if r["generation"] == 0]
+    assert record["world_size"] == 3 and record["mean_fitness"] is not None
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_fault_in_training_command_ends_every_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
+    sets = small(tiny_model_dir, "reward.name=mpi_helpers:fail_on_rank", "reward.params={rank: 1}")
+    args = ["-m", "essa.cli", "train", "--run-dir", str(tmp_path / "run")]
+    res, seconds = launch(2, *args, *[a for s in sets for a in ("--set", s)], timeout=60)
+    assert res.returncode != 0
+    assert seconds < 30
+    assert (res.stdout + res.stderr).count("RuntimeError: injected fault on rank 1") == 1
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_user_error_on_every_rank_printed_once(tmp_path: Path) -> None:
+    args = ["-m", "essa.cli", "train", "--run-dir", str(tmp_path / "run")]
+    res, seconds = launch(2, *args, "--set", "model.name_or_path=/nonexistent/model", timeout=60)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.count("model.name_or_path: no such directory") == 1
+    assert "Traceback" not in res.stderr
+    assert seconds < 30
