@@ -97,7 +97,8 @@ class EvaluationConfig:
     strategy: Literal["auto", "batched", "merged"] = "auto"
     micro_batch_size: int = 1024  # sequences per forward
     every: int = 10  # held-out accuracy every N generations (0: only before and after)
-    select: Literal["mean", "best", "validation"] = "mean"  # which solution is exported
+    select: Literal["mean", "best"] = "mean"  # which solution is exported
+    use_scale_baseline: bool = True  # also report the SFT adapter uniformly scaled (no search)
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,10 @@ class Task:
 def load_task(cfg: DataConfig, seed: int) -> Task:
     """Split the data deterministically into SFT, train and held-out test examples."""
     from essa.data import load_examples
-    from essa.data.arithmetic import arithmetic_examples
+    from essa.data.loaders import builtin_examples
 
-    if cfg.source == "builtin:arithmetic":
-        pool, fixed_test = arithmetic_examples()
+    if cfg.source.startswith("builtin:"):
+        pool, fixed_test = builtin_examples(cfg.source)  # a fixed held-out set per task
         test = fixed_test[: cfg.test_size]
     else:
         examples = load_examples(
@@ -60,7 +60,10 @@ def load_task(cfg: DataConfig, seed: int) -> Task:
 def render_prompts(examples: Sequence[Example], template: str, tokenizer: Any) -> list[str]:
     from essa.data.templates import render_prompt
 
-    return [render_prompt(template, ex.prompt, tokenizer=tokenizer) for ex in examples]
+    try:
+        return [render_prompt(template, ex.prompt, tokenizer=tokenizer) for ex in examples]
+    except ValueError as err:
+        raise UserError(f"data.template: {err}") from None
 
 
 def seed_everything(seed: int) -> None:

@@ -60,14 +60,28 @@ def run(
     console = console if is_root else None  # one progress bar, one set of messages
     seed_everything(cfg.run.seed)
     task = load_task(cfg.data, cfg.run.seed)
-    reward = get_reward(cfg.reward.name, **cfg.reward.params)
+    try:
+        reward = get_reward(cfg.reward.name, **cfg.reward.params)
+    except (ValueError, ImportError) as err:
+        raise UserError(f"reward.name: {err}") from None
+    if reward.is_group or reward.needs:
+        # Greedy ESSA yields one completion per (candidate, prompt), and ranks hold only their
+        # own candidates' completions, so there is no group to vote in and no log-prob hook yet.
+        raise UserError(
+            f"reward.name: {cfg.reward.name} needs "
+            f"{'a group of completions per prompt' if reward.is_group else sorted(reward.needs)}, "
+            "which the ESSA recipe does not provide yet"
+        )
     model, tokenizer = load_model(place_rank(cfg.model, comm))
     if is_root and not resume:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     peft_model, sft_dir = _adapter_on_every_rank(
         cfg, model, tokenizer, task, run_dir, console, comm
     )
-    adapter = SVDAdapter.from_peft_model(peft_model, alpha=cfg.adapter.alpha)
+    try:
+        adapter = SVDAdapter.from_peft_model(peft_model, alpha=cfg.adapter.alpha)
+    except ValueError as err:  # e.g. alpha * r selects no singular value of a given adapter
+        raise UserError(f"adapter: {err}") from None
     model = peft_model.unload()  # the base; candidates are applied by the evaluator
     evaluator = PopulationEvaluator(model, tokenizer, adapter, cfg.generation, cfg.evaluation)
     train_prompts = render_prompts(task.train, cfg.data.template, tokenizer)
@@ -99,6 +113,10 @@ def run(
             "best_vector": None,
             "elapsed": 0.0,
         }
+        if cfg.evaluation.use_scale_baseline:
+            state["scale_baseline"] = _scale_baseline(
+                evaluator, adapter, task.train, train_prompts, reward, cfg.run.seed, heldout
+            )
         metrics.write(
             {
                 "generation": -1,
@@ -199,6 +217,48 @@ def _optimizer_options(cfg: Config) -> dict[str, Any]:
     if o.name == "cma_es":
         return {"variant": o.variant, "sep_above_dim": o.sep_above_dim}
     return {"lr": o.lr, "step": o.step}
+
+
+SCALE_FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+SCALE_PROMPTS = 256
+
+
+def scale_vector(adapter: Any, factor: float) -> AdapterVector:
+    """Offsets that scale every module's delta-W uniformly by ``factor`` (s_B -> factor * s_B).
+
+    With adapter.alpha < 1 only the searched singular values scale, so this is approximate.
+    """
+    x = np.zeros(adapter.dim)
+    for module in adapter.modules:
+        x[module.slice_b] = (factor - 1.0) * np.asarray(module.s_b[: module.k])
+    return x
+
+
+def _scale_baseline(
+    evaluator: Any,
+    adapter: Any,
+    train: list[Example],
+    prompts: list[str],
+    reward: Any,
+    seed: int,
+    heldout: Any,
+) -> dict[str, float]:
+    """The no-search baseline: the SFT adapter scaled by the factor best on training prompts."""
+    from essa.rewards import fitness_from_rewards
+
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 3]))
+    idx = rng.choice(len(train), size=min(SCALE_PROMPTS, len(train)), replace=False)
+    batch = [prompts[i] for i in idx]
+    answers = [train[i].answer for i in idx]
+    population = np.stack([scale_vector(adapter, f) for f in SCALE_FACTORS])  # (8, D)
+    texts = evaluator.completions(population, batch)
+    fitness = [fitness_from_rewards(reward(t, answers, batch)) for t in texts]
+    best = int(np.nanargmax(fitness))
+    return {
+        "factor": SCALE_FACTORS[best],
+        "train_fitness": float(fitness[best]),
+        "heldout_accuracy": heldout(population[best]),
+    }
 
 
 def _minibatch(n: int, size: int, seed: int, generation: int) -> np.ndarray:
@@ -303,10 +363,18 @@ def _finish(
         "adapter_dir": str(adapter_dir),
         "sft_adapter_dir": sft_dir,
         "selected": cfg.evaluation.select,
+        "scale_baseline": state.get("scale_baseline"),
         "dim": adapter.dim,
         "test_size": state["test_size"],
     }
     atomic_write_json(run_dir / "summary.json", summary)
+    if summary["scale_baseline"]:
+        scale = summary["scale_baseline"]
+        _say(
+            console,
+            f"no-search baseline (SFT adapter x{scale['factor']:g}, chosen on training "
+            f"prompts): held-out {scale['heldout_accuracy']:.3f}",
+        )
     _say(
         console,
         f"held-out accuracy {summary['baseline_accuracy']:.3f} -> {final:.3f} "
