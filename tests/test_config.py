@@ -83,6 +83,10 @@ def test_wrong_values(tmp_path: Path, text: str, fragment: str) -> None:
 def test_int_widens_to_float_and_null_allowed(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, "optimizer:\n  sigma0: 1\nmodel:\n  gguf_file: null\n"))
     assert cfg.optimizer.sigma0 == 1.0 and isinstance(cfg.optimizer.sigma0, float)
+    # YAML 1.1 reads 3e-4 as a string; users mean the number.
+    assert load_config(write(tmp_path, "sft:\n  lr: 3e-4\n")).sft.lr == 3e-4
+    with pytest.raises(ConfigError, match="sft.lr: expected a number"):
+        load_config(write(tmp_path, "sft:\n  lr: fast\n"))
 
 
 def test_overrides() -> None:
