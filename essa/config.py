@@ -48,9 +48,9 @@ class AdapterConfig:
 
 @dataclass(frozen=True)
 class SFTConfig:
-    steps: int = 20  # optimizer steps
-    batch_size: int = 16
-    lr: float = 1e-3
+    steps: int = 4  # optimizer steps (the demo's SFT is deliberately short: a weak start)
+    batch_size: int = 100
+    lr: float = 3e-4
     weight_decay: float = 0.0
     max_length: int = 256  # tokens of prompt + solution
     lr_warmup_steps: int = 0
@@ -79,7 +79,7 @@ class DataConfig:
     split: str | None = None  # hub datasets only
     template: str = "raw"  # prompt template name (raw, chat, qwen_math_cot, qwen_boxed, r1)
     sft_size: int = 100  # training examples reserved for the SFT stage
-    test_size: int = 500  # held-out examples (builtin tasks have a fixed split)
+    test_size: int = 1000  # held-out examples (builtin tasks have a fixed split)
     batch_size: int = 64  # prompts per generation, shared by all candidates
 
 
@@ -108,7 +108,7 @@ class EvaluationConfig:
 @dataclass(frozen=True)
 class RunConfig:
     dir: str = "runs/essa-demo"
-    generations: int = 40
+    generations: int = 150
     seed: int = 0
     max_wall_seconds: float | None = None  # stop after this budget (checked between generations)
     show_progress: bool = True
