@@ -26,8 +26,19 @@ RESULTS = Path("bench/results")
 
 def run_seed(seed: int, overrides: list[str], root: Path) -> dict[str, Any]:
     run_dir = root / f"seed{seed}"
-    cmd = [sys.executable, "-m", "essa.cli", "train", "--overwrite", "--run-dir", str(run_dir),
-           "--set", f"run.seed={seed}", "--set", "run.show_progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "essa.cli",
+        "train",
+        "--overwrite",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"run.seed={seed}",
+        "--set",
+        "run.show_progress=false",
+    ]
     for item in overrides:
         cmd += ["--set", item]
     start = time.perf_counter()
@@ -37,7 +48,9 @@ def run_seed(seed: int, overrides: list[str], root: Path) -> dict[str, Any]:
         raise SystemExit(f"seed {seed} failed:\n{res.stderr[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    curve = [(r["generation"] + 1, r["heldout_accuracy"]) for r in records if "heldout_accuracy" in r]
+    curve = [
+        (r["generation"] + 1, r["heldout_accuracy"]) for r in records if "heldout_accuracy" in r
+    ]
     return {"seed": seed, "summary": summary, "command_wall_seconds": wall, "curve": curve}
 
 
@@ -54,7 +67,9 @@ def table(runs: list[dict[str, Any]]) -> str:
     gains = [f - b for f, b in zip(final, base, strict=True)]
     # Standard error of the mean gain: per-seed binomial SE of a difference of two accuracies on
     # the same n items (an upper bound that ignores their positive correlation), over seeds.
-    se = math.sqrt(sum((f * (1 - f) + b * (1 - b)) / n for f, b in zip(final, base, strict=True))) / len(runs)
+    se = math.sqrt(
+        sum((f * (1 - f) + b * (1 - b)) / n for f, b in zip(final, base, strict=True))
+    ) / len(runs)
     walls = [r["command_wall_seconds"] for r in runs]
     lines = [
         f"| adapter (held-out accuracy, {n} pairs, {len(runs)} seeds: mean ± std) | accuracy |",
@@ -64,7 +79,8 @@ def table(runs: list[dict[str, Any]]) -> str:
         f"| ESSA (CMA-ES over singular values, distribution mean) | {mean_spread(final)} |",
         "",
         f"Gain of ESSA over SFT: {statistics.mean(gains):+.3f} (per seed: "
-        + ", ".join(f"{g:+.3f}" for g in gains) + f"); ≈ {statistics.mean(gains) / se:.1f} standard errors. "
+        + ", ".join(f"{g:+.3f}" for g in gains)
+        + f"); ≈ {statistics.mean(gains) / se:.1f} standard errors. "
         f"Gain over the no-search baseline: {statistics.mean(final) - statistics.mean(scale):+.3f}. "
         f"Wall time per `essa train` (2 threads, everything included): {mean_spread(walls)} s.",
     ]
@@ -100,9 +116,14 @@ def main() -> None:
     args = parser.parse_args()
     runs = [run_seed(seed, args.overrides, args.runs) for seed in args.seeds]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    command = "python -m bench.demo --seeds " + " ".join(map(str, args.seeds)) + "".join(
-        f" --set {o}" for o in args.overrides)
-    (RESULTS / "demo.json").write_text(json.dumps({"command": command, "runs": runs}, indent=2) + "\n")
+    command = (
+        "python -m bench.demo --seeds "
+        + " ".join(map(str, args.seeds))
+        + "".join(f" --set {o}" for o in args.overrides)
+    )
+    (RESULTS / "demo.json").write_text(
+        json.dumps({"command": command, "runs": runs}, indent=2) + "\n"
+    )
     plot(runs, RESULTS / "demo.png")
     print(table(runs))
     print(f"\n(reproduce: {command})")

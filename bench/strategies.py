@@ -39,8 +39,9 @@ def build(rank: int = 8, seed: int = 0) -> tuple[Any, Any, Any]:
     return peft_model.unload(), tokenizer, adapter
 
 
-def time_cell(model: Any, tokenizer: Any, adapter: Any, population: int, n_prompts: int,
-              repeats: int) -> dict[str, Any]:
+def time_cell(
+    model: Any, tokenizer: Any, adapter: Any, population: int, n_prompts: int, repeats: int
+) -> dict[str, Any]:
     from essa.backends.evaluator import PopulationEvaluator
     from essa.config import EvaluationConfig, GenerationConfig
     from essa.data.arithmetic import arithmetic_examples
@@ -53,8 +54,13 @@ def time_cell(model: Any, tokenizer: Any, adapter: Any, population: int, n_promp
     outputs: dict[str, Any] = {}
     for _ in range(repeats):
         for strategy in times:
-            evaluator = PopulationEvaluator(model, tokenizer, adapter, gen,
-                                            EvaluationConfig(strategy=strategy, micro_batch_size=1024))
+            evaluator = PopulationEvaluator(
+                model,
+                tokenizer,
+                adapter,
+                gen,
+                EvaluationConfig(strategy=strategy, micro_batch_size=1024),
+            )
             start = time.perf_counter()
             outputs[strategy] = evaluator.completions(X, prompts)
             times[strategy].append(time.perf_counter() - start)
@@ -63,10 +69,13 @@ def time_cell(model: Any, tokenizer: Any, adapter: Any, population: int, n_promp
     med = {k: statistics.median(v) for k, v in times.items()}
     best = min(med["batched"], med["merged"])
     return {
-        "population": population, "prompts": n_prompts, "seconds": med,
+        "population": population,
+        "prompts": n_prompts,
+        "seconds": med,
         "spread": {k: [min(v), max(v)] for k, v in times.items()},
         "batched_speedup": med["merged"] / med["batched"],
-        "auto_vs_best": med["auto"] / best, "auto_choice": outputs["auto_choice"],
+        "auto_vs_best": med["auto"] / best,
+        "auto_choice": outputs["auto_choice"],
         "same_completions": outputs["batched"] == outputs["merged"] == outputs["auto"],
     }
 
@@ -86,15 +95,28 @@ def main() -> None:
         for n_prompts in args.prompts:
             row = time_cell(model, tokenizer, adapter, population, n_prompts, args.repeats)
             rows.append(row)
-            print(f"P={population:3d} N={n_prompts:4d}  batched {row['seconds']['batched']:.2f}s  "
-                  f"merged {row['seconds']['merged']:.2f}s  speedup x{row['batched_speedup']:.2f}  "
-                  f"auto={row['auto_choice']} ({row['auto_vs_best']:.2f} of best)  "
-                  f"same={row['same_completions']}", flush=True)
-    meta = {"machine": platform.machine(), "processor": platform.processor(),
-            "threads": args.threads, "torch": torch.__version__, "repeats": args.repeats,
-            "command": "python -m bench.strategies " + " ".join(
-                [f"--populations {' '.join(map(str, args.populations))}",
-                 f"--prompts {' '.join(map(str, args.prompts))}", f"--repeats {args.repeats}"])}
+            print(
+                f"P={population:3d} N={n_prompts:4d}  batched {row['seconds']['batched']:.2f}s  "
+                f"merged {row['seconds']['merged']:.2f}s  speedup x{row['batched_speedup']:.2f}  "
+                f"auto={row['auto_choice']} ({row['auto_vs_best']:.2f} of best)  "
+                f"same={row['same_completions']}",
+                flush=True,
+            )
+    meta = {
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "repeats": args.repeats,
+        "command": "python -m bench.strategies "
+        + " ".join(
+            [
+                f"--populations {' '.join(map(str, args.populations))}",
+                f"--prompts {' '.join(map(str, args.prompts))}",
+                f"--repeats {args.repeats}",
+            ]
+        ),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
 

@@ -96,6 +96,8 @@ def _setup_logging() -> None:
 
     # Library chatter (weight-loading bars, deprecation notices) buries our own progress.
     hf_logging.set_verbosity_error()
+    # bitsandbytes warns at import about an optional kernels package even when unused.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="peft")

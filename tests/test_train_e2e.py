@@ -161,11 +161,25 @@ def test_eval_command(tmp_path: Path) -> None:
             "adapter.target_modules: ['not_a_module'] not found",
         ),
         ("adapter.path=/nonexistent/adapter", "is not a PEFT adapter directory"),
+        ("data.source=EMPTY", "empty"),
+        ("reward.name=no_such_reward", "reward.name: unknown reward"),
+        ("data.template=no_such_template", "data.template: unknown prompt template"),
     ],
 )
 def test_bad_input_one_line_exit_2(tmp_path: Path, override: str, fragment: str) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    override = override.replace("EMPTY", str(empty))
     res = essa("train", "--run-dir", str(tmp_path / "run"), *sets(*SMALL, override))
     assert res.returncode == 2, res.stderr[-2000:]
     assert fragment in res.stderr
     assert "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_unwritable_run_dir(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")  # root ignores permission bits, so block with a file instead
+    res = essa("train", "--run-dir", str(blocker / "run"), *sets(*SMALL))
+    assert res.returncode == 2
+    assert res.stderr.strip().startswith(f"error: run.dir {blocker / 'run'}: not writable")

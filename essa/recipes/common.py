@@ -30,6 +30,13 @@ def load_task(cfg: DataConfig, seed: int) -> Task:
     """Split the data deterministically into SFT, train and held-out test examples."""
     from essa.data import load_examples
     from essa.data.loaders import builtin_examples
+    from essa.data.templates import known_templates
+
+    if cfg.template not in known_templates():  # fail before any data or model is loaded
+        raise UserError(
+            f"data.template: unknown prompt template {cfg.template!r}; "
+            f"known: {', '.join(known_templates())}"
+        )
 
     if cfg.source.startswith("builtin:"):
         pool, fixed_test = builtin_examples(cfg.source)  # a fixed held-out set per task
