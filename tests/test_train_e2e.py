@@ -183,3 +183,42 @@ def test_unwritable_run_dir(tmp_path: Path) -> None:
     res = essa("train", "--run-dir", str(blocker / "run"), *sets(*SMALL))
     assert res.returncode == 2
     assert res.stderr.strip().startswith(f"error: run.dir {blocker / 'run'}: not writable")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_checkpoints_and_exits(tmp_path: Path, signum: int, code: int) -> None:
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "essa.cli",
+        "train",
+        "--run-dir",
+        str(run_dir),
+        *sets(*SMALL, "run.generations=50"),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and '"generation": 0,' in metrics.read_text():
+            break
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == code, err[-3000:]
+    assert "essa train --resume" in out
+    state = json.loads((run_dir / "checkpoint.json").read_text())
+    done = state["optimizer"]["generation"] if "generation" in state["optimizer"] else None
+    assert not (run_dir / "summary.json").exists()
+    gens = [json.loads(line)["generation"] for line in metrics.read_text().splitlines()]
+    assert gens[-1] + 1 == len(gens) - 1  # records -1..g, nothing torn
+    if done is not None:
+        assert done == gens[-1] + 1

@@ -16,6 +16,8 @@ Deviations from the paper (see ../shared/spec/essa.md §4):
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ def run(
     from essa.adapters import SVDAdapter
     from essa.backends.evaluator import PopulationEvaluator
     from essa.backends.hf import load_model
+    from essa.backends.memory import memory_metrics, model_bytes
     from essa.dist import any_rank, check_replicas, get_comm, place_rank, shard
     from essa.optimizers import make_optimizer
     from essa.recipes.common import (
@@ -73,6 +76,7 @@ def run(
             "which the ESSA recipe does not provide yet"
         )
     model, tokenizer = load_model(place_rank(cfg.model, comm))
+    base_bytes = model_bytes(model)  # the base weights as stored (quantised ones packed)
     if is_root and not resume:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     peft_model, sft_dir = _adapter_on_every_rank(
@@ -123,6 +127,7 @@ def run(
                 "event": "baseline",
                 "heldout_accuracy": baseline,
                 "dim": adapter.dim,
+                **memory_metrics(base_bytes),
             }
         )
     else:
@@ -134,7 +139,7 @@ def run(
         f"held-out baseline {state['baseline_accuracy']:.3f}",
     )
     elapsed_before = state["elapsed"]
-    with _progress(cfg, console, opt.generation) as advance:
+    with _progress(cfg, console, opt.generation) as advance, _Interrupt() as interrupt:
         while opt.generation < cfg.run.generations:
             g = opt.generation
             gen_start = time.perf_counter()
@@ -166,10 +171,19 @@ def run(
             if cfg.evaluation.every and (g + 1) % cfg.evaluation.every == 0:
                 record["heldout_accuracy"] = heldout(opt.mean)
             state["elapsed"] = elapsed_before + time.perf_counter() - wall_start
+            # Metrics first: a kill between the two writes redoes generation g on resume,
+            # which drops and rewrites its record; the other order could lose the record.
+            metrics.write(record)
             if is_root:
                 _save_checkpoint(run_dir, opt, state)
-            metrics.write(record)
             advance(record)
+            if interrupt.signum is not None:
+                _say(
+                    console,
+                    f"interrupted by signal {interrupt.signum}: checkpoint at generation "
+                    f"{opt.generation} saved; continue with: essa train --resume {run_dir}",
+                )
+                raise SystemExit(128 + interrupt.signum)
             # Ranks time themselves differently: they must agree to stop, or some would block.
             if cfg.run.max_wall_seconds and any_rank(
                 comm, state["elapsed"] > cfg.run.max_wall_seconds
@@ -177,6 +191,7 @@ def run(
                 _say(console, f"stopping: run.max_wall_seconds={cfg.run.max_wall_seconds} reached")
                 break
     state["test_size"] = len(task.test)
+    state["model_bytes"] = base_bytes
     state["elapsed"] = elapsed_before + time.perf_counter() - wall_start
     if not is_root:
         return {}  # rank 0 alone evaluates, exports and writes the summary
@@ -346,6 +361,8 @@ def _finish(
     wall_start: float,
     console: Any,
 ) -> dict[str, Any]:
+    from essa.backends.memory import memory_metrics
+
     t0 = time.perf_counter()
     vector = np.asarray(opt.mean)
     if cfg.evaluation.select == "best" and state["best_vector"] is not None:
@@ -366,6 +383,7 @@ def _finish(
         "scale_baseline": state.get("scale_baseline"),
         "dim": adapter.dim,
         "test_size": state["test_size"],
+        **memory_metrics(state["model_bytes"]),
     }
     atomic_write_json(run_dir / "summary.json", summary)
     if summary["scale_baseline"]:
@@ -385,7 +403,7 @@ def _finish(
 
 def _say(console: Any, text: str) -> None:
     if console is not None:
-        console.print(text)
+        console.print(text, soft_wrap=True)  # no hard wraps: paths and commands stay copyable
 
 
 class _progress:
@@ -437,3 +455,32 @@ class _progress:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
+
+
+class _Interrupt:
+    """SIGINT/SIGTERM finish the current generation, checkpoint it, then exit 130/143.
+
+    A second signal acts at once (KeyboardInterrupt / default termination); the last
+    checkpoint on disk is then still complete, because every write is atomic.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            signal.raise_signal(signum)
+            return
+        self.signum = signum
+
+    def __enter__(self) -> _Interrupt:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
