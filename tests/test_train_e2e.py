@@ -216,9 +216,8 @@ def test_signal_checkpoints_and_exits(tmp_path: Path, signum: int, code: int) ->
     assert proc.returncode == code, err[-3000:]
     assert "essa train --resume" in out
     state = json.loads((run_dir / "checkpoint.json").read_text())
-    done = state["optimizer"]["generation"] if "generation" in state["optimizer"] else None
+    done = state["optimizer"]["generation"]  # generations told before the checkpoint
     assert not (run_dir / "summary.json").exists()
     gens = [json.loads(line)["generation"] for line in metrics.read_text().splitlines()]
     assert gens[-1] + 1 == len(gens) - 1  # records -1..g, nothing torn
-    if done is not None:
-        assert done == gens[-1] + 1
+    assert done == gens[-1] + 1
