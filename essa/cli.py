@@ -144,6 +144,10 @@ def train(
         summary = essa_es.run(
             cfg, directory, resume=resume is not None, console=_console(), comm=comm
         )
+    elif cfg.algorithm == "grpo":
+        from essa.recipes import grpo
+
+        summary = grpo.run(cfg, directory, resume=resume is not None, console=_console(), comm=comm)
     else:  # pragma: no cover - the schema admits only the algorithms listed above
         raise UserError(f"algorithm: {cfg.algorithm} is not available")
     if comm.rank == 0:
@@ -185,14 +189,21 @@ def evaluate(
     adapter: Annotated[
         Path | None, typer.Option(help="PEFT adapter directory (default: none)")
     ] = None,
+    samples: Annotated[
+        int, typer.Option(help="Completions per problem (>1 needs temperature > 0)")
+    ] = 1,
     output: Annotated[Path | None, typer.Option(help="Write the JSON result here")] = None,
 ) -> None:
-    """Greedy pass@1 on the task's held-out split."""
-    from essa.backends.hf import generate_texts, load_model
-    from essa.recipes.common import accuracy, load_task, render_prompts, seed_everything
+    """pass@1 on the held-out split; with --samples K also avg@K, pass@K and maj@K."""
+    from essa.backends.hf import load_model
+    from essa.recipes.common import load_task, seed_everything
 
     _setup_logging()
     cfg = _resolve(config, set_)
+    if samples < 1 or (samples > 1 and cfg.generation.temperature <= 0):
+        raise UserError(
+            "--samples K > 1 needs sampling: --set generation.temperature=0.7 (for example)"
+        )
     seed_everything(cfg.run.seed)
     task = load_task(cfg.data, cfg.run.seed)
     model, tokenizer = load_model(cfg.model)
@@ -204,13 +215,10 @@ def evaluate(
                 f"--adapter {adapter}: not a PEFT adapter directory (no adapter_config.json)"
             )
         model = PeftModel.from_pretrained(model, str(adapter)).eval()
-    prompts = render_prompts(task.test, cfg.data.template, tokenizer)
-    texts, _ = generate_texts(
-        model, tokenizer, prompts, cfg.generation, micro_batch_size=cfg.evaluation.micro_batch_size
-    )
     result = {
-        "pass@1": accuracy(texts, task.test, prompts),
+        **_sample_metrics(cfg, model, tokenizer, task.test, samples),
         "n": len(task.test),
+        "samples": samples,
         "adapter": str(adapter) if adapter else None,
         "model": cfg.model.name_or_path,
     }
@@ -218,6 +226,33 @@ def evaluate(
     typer.echo(text)
     if output is not None:
         output.write_text(text + "\n")
+
+
+def _sample_metrics(
+    cfg: Config, model: Any, tokenizer: Any, examples: list[Any], k: int
+) -> dict[str, float]:
+    """Generate k completions per problem; grade with math-verify; majority keys from answers."""
+    from essa.backends.hf import generate_texts
+    from essa.metrics import sample_metrics
+    from essa.recipes.common import render_prompts
+    from essa.rewards import extract_answer, get_reward
+
+    prompts = render_prompts(examples, cfg.data.template, tokenizer)
+    rows = [p for p in prompts for _ in range(k)]  # problem-major
+    texts, _ = generate_texts(
+        model,
+        tokenizer,
+        rows,
+        cfg.generation,
+        micro_batch_size=cfg.evaluation.micro_batch_size,
+        seed=cfg.run.seed,
+    )
+    answers = [e.answer for e in examples for _ in range(k)]
+    scores = get_reward("math_accuracy")(texts, answers, rows)
+    correct = [[s or 0.0 for s in scores[i * k : (i + 1) * k]] for i in range(len(examples))]
+    keys = [[extract_answer(t) for t in texts[i * k : (i + 1) * k]] for i in range(len(examples))]
+    metrics = sample_metrics(correct, ks=sorted({1, k}), keys=keys)
+    return metrics if k > 1 else {"pass@1": metrics["pass@1"]}
 
 
 @config_app.command("show")

@@ -150,6 +150,13 @@ def test_eval_command(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["n"] == 30 and 0.0 <= result["pass@1"] <= 1.0
+    res = essa("eval", *sets("data.test_size=10", "generation.temperature=1.0"), "--samples", "3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    sampled = json.loads(res.stdout)
+    assert set(sampled) >= {"avg@3", "pass@1", "pass@3", "maj@3"}
+    assert sampled["pass@1"] <= sampled["pass@3"]
+    res = essa("eval", "--samples", "3")
+    assert res.returncode == 2 and "generation.temperature" in res.stderr
 
 
 @pytest.mark.parametrize(
@@ -221,3 +228,30 @@ def test_signal_checkpoints_and_exits(tmp_path: Path, signum: int, code: int) ->
     gens = [json.loads(line)["generation"] for line in metrics.read_text().splitlines()]
     assert gens[-1] + 1 == len(gens) - 1  # records -1..g, nothing torn
     assert done == gens[-1] + 1
+
+
+@pytest.mark.slow
+def test_train_on_local_gsm8k_jsonl(tmp_path: Path) -> None:
+    """A GSM8K-format JSONL (`answer` ends with `#### N`) trains end to end with math_accuracy."""
+    data = tmp_path / "gsm8k.jsonl"
+    with open(data, "w") as f:
+        for a in range(10, 40):
+            for b in range(0, 90, 9):
+                f.write(
+                    json.dumps(
+                        {"question": f"{a}+{b}=", "answer": f"{a}+{b}={a + b}\n#### {a + b}"}
+                    )
+                    + "\n"
+                )
+    run_dir = tmp_path / "run"
+    res = essa(
+        "train",
+        "--run-dir",
+        str(run_dir),
+        *sets(*SMALL, f"data.source={data}", "reward.name=math_accuracy", "run.generations=2"),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["test_size"] == 40 and summary["generations"] == 2
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["mean_fitness"] <= 1 for r in records if r["generation"] >= 0)
