@@ -9,6 +9,13 @@ import pytest
 CHARS = list("0123456789+-*= ")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Tiny test models run ~100x slower with 2 intra-op threads when the 2 cores are busy.
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def build_char_tokenizer() -> object:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -8,7 +8,12 @@ Two strategies produce the same completions (tested to 1e-5 in logits, identical
 
 ``auto`` measures both on the first population it sees (half the candidates each, so nothing is
 evaluated twice) and keeps the faster per-candidate cost; it is re-measured when the number of
-prompts changes. Rows are candidate-major: row ``i`` of a P x N evaluation is candidate ``i // N``.
+prompts changes. On quantised (bitsandbytes) weights ``auto`` is ``batched`` and ``merged`` is
+refused: W0 is called as is, never modified. Rows are candidate-major: row ``i`` of a P x N evaluation is candidate ``i // N``.
+
+In both strategies, when the prompts share a token prefix (a system prompt, a chat header), that
+prefix is run once per candidate and its KV cache reused by the candidate's rows
+(``evaluation.use_prefix_cache``; see ``essa.backends.hf.generate_texts``).
 """
 
 from __future__ import annotations
@@ -19,11 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
-from essa.adapters import PopulationLoRA, SVDAdapter, merged_candidate
+from essa.adapters import PopulationLoRA, SVDAdapter, candidate_rows, merged_candidate
 from essa.backends.hf import generate_texts
 from essa.config import EvaluationConfig, GenerationConfig
+from essa.errors import UserError
 from essa.types import Population
 
 
@@ -53,6 +58,16 @@ class PopulationEvaluator:
         self.cfg = cfg
         self.chosen: dict[int, str] = {}  # number of prompts -> strategy picked by `auto`
         self.stats = EvalStats()
+        # bitsandbytes int8/int4 weights cannot take a merged delta: only `batched` applies.
+        self.quantized = any(
+            not model.get_submodule(name).weight.is_floating_point()
+            for name in adapter.module_names
+        )
+        if self.quantized and cfg.strategy == "merged":
+            raise UserError(
+                "evaluation.strategy: merged cannot fold candidates into quantised (int8/int4) "
+                "weights; use batched or auto"
+            )
 
     def completions(
         self, population: Population, prompts: Sequence[str], seed: int | None = None
@@ -60,6 +75,8 @@ class PopulationEvaluator:
         """Return completions[candidate][prompt] for population (P, D)."""
         population = np.atleast_2d(population)
         strategy = self.cfg.strategy
+        if strategy == "auto" and self.quantized:
+            strategy = self.chosen[len(prompts)] = "batched"
         if strategy == "auto":
             strategy = self.chosen.get(len(prompts), "")
             if not strategy and len(population) >= 2:
@@ -103,21 +120,18 @@ class PopulationEvaluator:
     ) -> tuple[list[list[str]], int]:
         n = len(prompts)
         rows = [p for _ in range(len(population)) for p in prompts]  # candidate-major
-        device = next(self.model.parameters()).device
         with PopulationLoRA(self.model, self.adapter) as pop:
             pop.set_population(population)
-
-            def before_chunk(start: int, stop: int) -> None:
-                pop.set_rows(torch.arange(start, stop, device=device) // n)
-
             texts, tokens = generate_texts(
                 self.model,
                 self.tokenizer,
                 rows,
                 self.gen,
                 micro_batch_size=self.cfg.micro_batch_size,
-                before_chunk=before_chunk,
+                row_candidates=candidate_rows(len(population), n),  # (P * n,)
+                set_rows=pop.set_rows,
                 seed=seed,
+                use_prefix_cache=self.cfg.use_prefix_cache,
             )
         return [texts[c * n : (c + 1) * n] for c in range(len(population))], tokens
 
@@ -135,6 +149,7 @@ class PopulationEvaluator:
                     self.gen,
                     micro_batch_size=self.cfg.micro_batch_size,
                     seed=seed,
+                    use_prefix_cache=self.cfg.use_prefix_cache,
                 )
             out.append(texts)
             tokens += new

@@ -3,12 +3,19 @@
 Loads any causal LM that transformers loads from a local directory or a hub id, a GGUF file
 (``model.gguf_file``), or the bundled demo model (``builtin:demo``). ``trust_remote_code`` is
 off unless the config sets it, and then it is logged loudly.
+
+``model.quantization`` int8 / int4 loads the base through bitsandbytes (LLM.int8 with its
+default outlier threshold 6.0; NF4 or FP4 with optional double quantisation), checked to run
+on the device first. Only the forward pass of the quantised linears is used; adapters act on
+top of them (PopulationLinear, PEFT LoRA), so the base weights are never modified.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +25,9 @@ from essa.config import GenerationConfig, ModelConfig
 from essa.errors import UserError
 
 log = logging.getLogger(__name__)
+
+# A shared prefix shorter than this saves little next to its extra forward and cache copies.
+MIN_PREFIX_TOKENS = 8
 
 BUILTIN_MODELS = {"builtin:demo": Path(__file__).resolve().parent.parent / "data" / "demo"}
 
@@ -88,7 +98,10 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     if cfg.quantization != "none":
         # Checked before the tokenizer and weights load: a mode that cannot run fails fast.
         kwargs["quantization_config"] = quantization_config(cfg, device)
-        kwargs["device_map"] = {"": device}  # bnb quantises while loading, on the target device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        # bnb quantises while loading, on the target device ("cpu" or "cuda:N").
+        kwargs["device_map"] = {"": str(device)}
     path = resolve_model_path(cfg.name_or_path)
     tokenizer = load_tokenizer(cfg)
     if cfg.dtype != "auto":
@@ -110,7 +123,11 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
 
 
 def quantization_config(cfg: ModelConfig, device: torch.device) -> Any:
-    """A BitsAndBytesConfig for ``cfg.quantization``, after checking it runs on ``device``."""
+    """A BitsAndBytesConfig for ``cfg.quantization``, after checking it runs on ``device``.
+
+    The 4-bit compute dtype is ``model.compute_dtype``, or ``model.dtype`` when that is auto
+    (float32 when both are auto).
+    """
     from transformers import BitsAndBytesConfig
 
     bnb = _import_bitsandbytes(cfg.quantization)
@@ -171,6 +188,7 @@ def _check_quantization_runs(
                 64, 64, bias=False, compute_dtype=compute, quant_type=cfg.quant_type
             )
         layer = layer.to(device)  # bnb quantises when the weight moves to a device
+        disable_cpu_weight_packing(layer)  # probe the path load_model's models take
         with torch.no_grad():
             out = layer(torch.ones(2, 64, device=device, dtype=compute))  # (2, 64)
         if not bool(torch.isfinite(out).all()):
@@ -202,15 +220,9 @@ def undo_cpu_weight_packing(model: Any) -> int:
     A no-op for models from :func:`load_model` (which turns the packing off); for others it
     makes training possible after an evaluation pass under no_grad.
     """
-    packed = [
-        module
-        for module in model.modules()
-        if getattr(
-            getattr(getattr(module, "weight", None), "quant_state", None),
-            "packing_format_for_cpu",
-            False,
-        )
-    ]
+    # Only bnb's own Linear4bit modules carry the flag; PEFT's wrappers expose the same weight.
+    layers = [m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    packed = [m for m in layers if getattr(m.weight.quant_state, "packing_format_for_cpu", False)]
     if packed:
         from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
 
@@ -239,31 +251,180 @@ def generate_texts(
     gen: GenerationConfig,
     *,
     micro_batch_size: int,
-    before_chunk: Callable[[int, int], None] | None = None,
+    row_candidates: torch.Tensor | None = None,
+    set_rows: Callable[[torch.Tensor], None] | None = None,
     seed: int | None = None,
+    use_prefix_cache: bool = False,
 ) -> tuple[list[str], int]:
     """Generate one completion per prompt, in micro-batches of rows.
 
-    ``before_chunk(start, stop)`` runs before each micro-batch, so a population wrapper can
-    tell its layers which candidate each row carries. Returns (completions, new_tokens).
+    ``row_candidates`` (N,) names the candidate each prompt row is generated under (default: all
+    rows one candidate, the model as is); ``set_rows(candidates)`` runs before every forward batch
+    with the candidate of each of its rows, so a population wrapper can route them.
+
+    With ``use_prefix_cache``, the longest token prefix shared by all prompts (a system prompt, a
+    chat header) is run once per candidate and its KV cache copied to that candidate's rows
+    instead of being recomputed for every row; the completions are the same. It applies when the
+    prefix has at least ``MIN_PREFIX_TOKENS`` tokens and the model's cache is a plain
+    full-attention ``DynamicCache``; otherwise every row is encoded whole.
+    Returns (completions, new_tokens).
     """
+    if not prompts:
+        return [], 0
     device = model_device(model)
-    completions: list[str] = []
-    new_tokens = 0
+    if row_candidates is None:
+        row_candidates = torch.zeros(len(prompts), dtype=torch.long)
+    row_candidates = torch.as_tensor(row_candidates, dtype=torch.long).cpu()  # (N,)
     if seed is not None and gen.temperature > 0:
         torch.manual_seed(seed)  # HF sampling draws from the global torch RNG
+    encoded = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    prefix_len = shared_prefix_length(encoded) if use_prefix_cache else 0
+    prefix: PrefixStates | None = None
+    if prefix_len >= MIN_PREFIX_TOKENS and has_plain_dynamic_cache(model):
+        prefix = prefix_states(
+            model, encoded[0][:prefix_len], row_candidates, micro_batch_size, set_rows
+        )
+    else:
+        prefix_len = 0
+    completions: list[str] = []
+    new_tokens = 0
     for start in range(0, len(prompts), micro_batch_size):
         stop = min(start + micro_batch_size, len(prompts))
-        if before_chunk is not None:
-            before_chunk(start, stop)
-        batch = tokenizer(
-            list(prompts[start:stop]), return_tensors="pt", padding=True, add_special_tokens=False
-        ).to(device)
-        out = model.generate(**batch, **_generate_kwargs(gen, tokenizer))
-        new = out[:, batch["input_ids"].shape[1] :]  # (B, T_new)
+        rows = row_candidates[start:stop]  # (B,)
+        if set_rows is not None:
+            set_rows(rows)
+        input_ids, attention_mask = pad_rows(
+            encoded[start:stop], prefix_len, tokenizer.pad_token_id, device
+        )  # (B, T) each
+        cache = {} if prefix is None else {_cache_argument(model): prefix.expand(model, rows)}
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            **cache,
+            **_generate_kwargs(gen, tokenizer),
+        )
+        new = out[:, input_ids.shape[1] :]  # (B, T_new)
         new_tokens += int((new != tokenizer.pad_token_id).sum())
         completions.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
     return completions, new_tokens
+
+
+def shared_prefix_length(sequences: Sequence[Sequence[int]]) -> int:
+    """Length of the longest common prefix that leaves every sequence one token of its own.
+
+    >>> shared_prefix_length([[1, 2, 3, 4], [1, 2, 5]])
+    2
+    >>> shared_prefix_length([[1, 2], [1, 2, 3]])
+    1
+    """
+    if not sequences:
+        return 0
+    limit = min(len(s) for s in sequences) - 1
+    first = sequences[0]
+    length = 0
+    while length < limit and all(s[length] == first[length] for s in sequences):
+        length += 1
+    return length
+
+
+def pad_rows(
+    rows: Sequence[Sequence[int]], prefix_len: int, pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), each (B, T), laid out as [prefix][pads][own tokens].
+
+    The shared prefix stays in the same columns of every row, so one cached prefix serves them
+    all; with ``prefix_len`` 0 this is plain left padding. ``generate`` takes positions from the
+    mask's cumulative sum, so a row's own tokens sit at positions ``prefix_len``, +1, ... in both
+    layouts, and both compute the same logits.
+    """
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
+    for i, row in enumerate(rows):
+        own = len(row) - prefix_len
+        input_ids[i, :prefix_len] = torch.as_tensor(row[:prefix_len], dtype=torch.long)
+        input_ids[i, width - own :] = torch.as_tensor(row[prefix_len:], dtype=torch.long)
+        attention_mask[i, :prefix_len] = 1
+        attention_mask[i, width - own :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def has_plain_dynamic_cache(model: Any) -> bool:
+    """True when the model generates with a DynamicCache of full-attention layers only.
+
+    Sliding-window, linear-attention (hybrid) and KV-sharing layers keep state that a copied
+    prefix would not reproduce, and a transformers without the layered cache API has no
+    ``DynamicLayer``: those models encode every row whole.
+    """
+    try:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:
+        return False
+    if getattr(model.config, "is_encoder_decoder", False):
+        return False
+    layers = DynamicCache(config=model.config).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _cache_argument(model: Any) -> str:
+    # transformers 5 renamed the forward/generate argument `past_key_values` to `cache`.
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@dataclass
+class PrefixStates:
+    """The shared prefix's keys and values for each candidate in ``candidates``."""
+
+    candidates: torch.Tensor  # (G,) sorted candidate ids; row g of every tensor is candidates[g]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), (G, H_kv, L, D)
+
+    def expand(self, model: Any, rows: torch.Tensor) -> Any:
+        """A fresh DynamicCache with one row per batch row (generate extends it in place)."""
+        from transformers import DynamicCache
+
+        index = torch.searchsorted(self.candidates, rows)  # (B,)
+        data = []
+        for keys, values in self.layers:
+            at = index.to(keys.device)
+            data.append((keys.index_select(0, at), values.index_select(0, at)))  # (B, H, L, D)
+        return DynamicCache(ddp_cache_data=data, config=model.config)
+
+
+def prefix_states(
+    model: Any,
+    prefix: Sequence[int],
+    row_candidates: torch.Tensor,
+    micro_batch_size: int,
+    set_rows: Callable[[torch.Tensor], None] | None,
+) -> PrefixStates:
+    """Run the prefix once for each candidate that appears in ``row_candidates`` (N,)."""
+    from transformers import DynamicCache
+
+    device = model_device(model)
+    candidates = torch.unique(row_candidates)  # (G,), sorted
+    keep_one = "logits_to_keep" in inspect.signature(model.forward).parameters
+    chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    for start in range(0, len(candidates), micro_batch_size):
+        group = candidates[start : start + micro_batch_size]  # (g,)
+        if set_rows is not None:
+            set_rows(group)
+        cache = DynamicCache(config=model.config)
+        ids = torch.as_tensor(prefix, dtype=torch.long, device=device).expand(len(group), -1)
+        # Only the cache is wanted: logits_to_keep=1 skips the (g, L, V) logits.
+        model(
+            input_ids=ids,  # (g, L)
+            use_cache=True,
+            **{_cache_argument(model): cache},
+            **({"logits_to_keep": 1} if keep_one else {}),
+        )
+        full_layers: list[Any] = cache.layers  # DynamicLayer only (has_plain_dynamic_cache)
+        chunks.append([(layer.keys, layer.values) for layer in full_layers])
+    layers = [
+        (torch.cat([c[i][0] for c in chunks]), torch.cat([c[i][1] for c in chunks]))
+        for i in range(len(chunks[0]))
+    ]
+    return PrefixStates(candidates, layers)
 
 
 def _generate_kwargs(gen: GenerationConfig, tokenizer: Any) -> dict[str, Any]:
