@@ -1,0 +1,67 @@
+"""Memory accounting for the run metrics: peak process memory and the bytes a model holds.
+
+``model_bytes`` counts what the weights occupy, not what they would in float32: parameters and
+buffers at their stored dtype (tied tensors once) plus the side tensors of bitsandbytes layers
+(4-bit block scales, nested scales and code books; 8-bit row scales). A Linear4bit's packed
+uint8 weight is therefore counted at half a byte per weight plus its scales.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MiB (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
+
+
+def peak_cuda_allocated_mb() -> float | None:
+    """Peak memory allocated by torch on CUDA in MiB (all devices), or None without CUDA."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    total = sum(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count()))
+    return round(total / 2**20, 1)
+
+
+def model_bytes(module: nn.Module) -> int:
+    """Bytes held by ``module``'s parameters, buffers and quantisation side tensors."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def add(tensor: Any) -> None:
+        nonlocal total
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return
+        key = (tensor.untyped_storage().data_ptr(), tensor.data_ptr())
+        if key in seen:  # tied embeddings, shared code books
+            return
+        seen.add(key)
+        total += tensor.numel() * tensor.element_size()
+
+    for tensor in [*module.parameters(), *module.buffers()]:
+        add(tensor)
+        quant_state = getattr(tensor, "quant_state", None)  # bnb Params4bit
+        if quant_state is not None:
+            for value in quant_state.as_dict().values():
+                add(value)
+        add(getattr(tensor, "SCB", None))  # bnb Int8Params: one float32 scale per row
+    return total
+
+
+def memory_metrics(base_model_bytes: int) -> dict[str, float | int]:
+    """The memory fields of the run metrics; the CUDA peak only where CUDA is in use."""
+    metrics: dict[str, float | int] = {
+        "peak_rss_mb": peak_rss_mb(),
+        "model_bytes": int(base_model_bytes),
+    }
+    cuda = peak_cuda_allocated_mb()
+    if cuda is not None:
+        metrics["peak_cuda_allocated_mb"] = cuda
+    return metrics
