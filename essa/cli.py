@@ -116,7 +116,7 @@ def train(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory")] = False,
     run_dir: Annotated[Path | None, typer.Option(help="Run directory (overrides run.dir)")] = None,
 ) -> None:
-    """Align a model with ESSA (SFT first when no adapter is given).
+    """Align a model with ESSA, or with GRPO when algorithm: grpo (SFT first without an adapter).
 
     Under mpiexec/srun every rank runs this; see docs/scaling.md.
     """
@@ -253,6 +253,23 @@ def _sample_metrics(
     keys = [[extract_answer(t) for t in texts[i * k : (i + 1) * k]] for i in range(len(examples))]
     metrics = sample_metrics(correct, ks=sorted({1, k}), keys=keys)
     return metrics if k > 1 else {"pass@1": metrics["pass@1"]}
+
+
+@app.command()
+@guarded
+def compare(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Finished run directories")],
+    output: Annotated[Path, typer.Option(help="Where compare.md and compare.png go")] = Path(
+        "runs/compare"
+    ),
+    target: Annotated[float, typer.Option(help="Held-out accuracy to time")] = 0.9,
+) -> None:
+    """Compare ESSA and GRPO runs: a Markdown table and accuracy/reward curves (PNG)."""
+    from essa.compare import compare as write_comparison
+
+    text = write_comparison(run_dirs, output, target)
+    typer.echo(text)
+    typer.echo(f"\nwrote {output / 'compare.md'} and {output / 'compare.png'}")
 
 
 @config_app.command("show")

@@ -34,7 +34,7 @@ class ModelConfig:
     quantization: Literal["none", "int8", "int4"] = "none"  # bitsandbytes base weights ([quant])
     quant_type: Literal["nf4", "fp4"] = "nf4"  # int4 only: the 4-bit data type
     use_double_quant: bool = True  # int4 only: quantise the block scales too (~0.4 bit/weight)
-    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: dtype
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # int4 matmuls
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     num_threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
 
@@ -105,6 +105,7 @@ class EvaluationConfig:
     every: int = 10  # held-out accuracy every N generations (0: only before and after)
     select: Literal["mean", "best"] = "mean"  # which solution is exported
     use_scale_baseline: bool = True  # also report the SFT adapter uniformly scaled (no search)
+    use_prefix_cache: bool = True  # encode the prompts' shared token prefix once per candidate
 
 
 @dataclass(frozen=True)
@@ -116,9 +117,34 @@ class RunConfig:
     show_progress: bool = True
 
 
+GRPOLoss = Literal["grpo", "dr_grpo", "dapo", "ngrpo", "w_reinforce", "psr", "nsr", "dcpo"]
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """The gradient backend (algorithm: grpo); presets per loss in essa/recipes/grpo_losses.py."""
+
+    loss: GRPOLoss = "grpo"  # variant preset: advantages, normaliser, clip range, beta, filter
+    group_size: int = 8  # G completions sampled per prompt
+    prompts_per_step: int = 8  # prompts per rollout step (G x this completions)
+    temperature: float = 1.0  # rollout sampling; held-out accuracy stays greedy (generation.*)
+    num_iterations: int = 1  # optimizer steps per rollout (mu); > 1 uses old log-probs
+    beta: float | None = None  # k3 KL to the frozen SFT adapter (None: the preset's)
+    epsilon_low: float | None = None  # ratio clip 1 - epsilon_low (None: the preset's)
+    epsilon_high: float | None = None  # ratio clip 1 + epsilon_high (None: the preset's)
+    lr: float = 1e-3  # AdamW; the demo's LoRA learns at 1e-3 (TRL's 1e-6 is for full models)
+    weight_decay: float = 0.0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"  # over run.generations
+    lr_warmup_steps: int = 0
+    max_grad_norm: float = 1.0  # 0: no clipping
+    grad_accumulation: int = 1  # micro-batches per optimizer step (memory only: same update)
+    trainable: Literal["lora", "singular_values"] = "lora"  # singular_values: SVD-GRPO ablation
+    overlong_buffer: int = 0  # DAPO soft overlong punishment L_cache in tokens (0: off)
+
+
 @dataclass(frozen=True)
 class Config:
-    algorithm: Literal["essa"] = "essa"
+    algorithm: Literal["essa", "grpo"] = "essa"
     model: ModelConfig = field(default_factory=ModelConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -128,6 +154,7 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,10 +361,50 @@ def check_values(cfg: Config) -> None:
         )
     if cfg.generation.temperature < 0:
         raise ConfigError("generation.temperature: must be >= 0")
+    if cfg.model.quantization != "none" and cfg.model.gguf_file:
+        raise ConfigError(
+            f"model.quantization: {cfg.model.quantization} cannot be combined with "
+            "model.gguf_file (transformers does not quantise GGUF checkpoints); save the model "
+            "as safetensors first (see bench/quant.py), or use quantization=none"
+        )
     if cfg.model.quantization != "none" and cfg.evaluation.strategy == "merged":
         raise ConfigError(
             f"evaluation.strategy: merged cannot fold candidates into "
             f"model.quantization={cfg.model.quantization} weights; use batched or auto"
+        )
+    _check_grpo(cfg.grpo, cfg.generation.max_new_tokens)
+
+
+def _check_grpo(g: GRPOConfig, max_new_tokens: int) -> None:
+    if g.group_size < 2:
+        raise ConfigError(f"grpo.group_size: must be >= 2 (a group baseline), got {g.group_size}")
+    positive = {
+        "grpo.prompts_per_step": g.prompts_per_step,
+        "grpo.temperature": g.temperature,
+        "grpo.num_iterations": g.num_iterations,
+        "grpo.lr": g.lr,
+        "grpo.grad_accumulation": g.grad_accumulation,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {value}")
+    nonneg = {
+        "grpo.beta": g.beta or 0.0,
+        "grpo.weight_decay": g.weight_decay,
+        "grpo.lr_warmup_steps": g.lr_warmup_steps,
+        "grpo.max_grad_norm": g.max_grad_norm,
+        "grpo.overlong_buffer": g.overlong_buffer,
+        "grpo.epsilon_high": g.epsilon_high or 0.0,
+    }
+    for key, value in nonneg.items():
+        if value < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {value}")
+    if g.epsilon_low is not None and not 0.0 <= g.epsilon_low < 1.0:
+        raise ConfigError(f"grpo.epsilon_low: must be in [0, 1), got {g.epsilon_low}")
+    if g.overlong_buffer > max_new_tokens:
+        raise ConfigError(
+            f"grpo.overlong_buffer: {g.overlong_buffer} exceeds generation.max_new_tokens "
+            f"({max_new_tokens})"
         )
 
 

@@ -39,7 +39,14 @@ SMALL = [
     "reward.name=mpi_helpers:char_variety",
 ]
 # Differ by rank count by design: timings, rank 0's own token count, the exchange itself.
-PER_RANK_KEYS = {"seconds", "tokens_per_second", "new_tokens", "world_size", "comm_bytes"}
+PER_RANK_KEYS = {
+    "seconds",
+    "tokens_per_second",
+    "new_tokens",
+    "world_size",
+    "comm_bytes",
+    "peak_rss_mb",
+}
 
 
 def find_mpiexec() -> str | None:

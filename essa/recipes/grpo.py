@@ -1,0 +1,763 @@
+"""The gradient fallback: the GRPO family on the same task, model, SFT adapter and rewards as ESSA.
+
+The loop, per step: draw ``grpo.prompts_per_step`` training prompts; sample ``grpo.group_size``
+completions of each at ``grpo.temperature``; score them with the configured reward; form the
+variant's group advantages (resampling away degenerate groups when the variant filters them);
+take ``grpo.num_iterations`` AdamW steps on the variant's clipped surrogate (+ beta * k3 KL to
+the frozen SFT adapter); log and checkpoint. Held-out accuracy is greedy, on the same fixed test
+split as ESSA, every ``evaluation.every`` steps, and never feeds back into training.
+Formulas and presets: essa/recipes/grpo_losses.py and ../shared/spec/grpo-family.md.
+
+Trainable sets (``grpo.trainable``): ``lora`` continues training the SFT adapter's LoRA
+factors; ``singular_values`` trains only offsets to the SFT singular values, in exactly ESSA's
+search space (SVD-GRPO), and exports through the same SVD adapter.
+
+Deviations from the papers:
+* log-probs (of the policy, the old policy and the reference) use logits divided by the
+  sampling temperature, as TRL does, so rho and the KL compare sampling distributions;
+* the model stays in eval mode while training (no dropout anywhere in the LoRA or the demo);
+* DAPO dynamic sampling draws at most ``MAX_SAMPLING_ROUNDS`` prompt batches per step and then
+  trains on the groups it has (verl raises after ``max_num_gen_batches``);
+* the LR schedule and warm-up count rollout steps, not optimizer steps;
+* one process only: under MPI with two or more ranks the recipe refuses to start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from essa.config import Config, dump_config, to_dict
+from essa.dist import Comm
+from essa.errors import UserError
+from essa.recipes import grpo_losses as losses
+from essa.rundir import MetricsLog, atomic_dir, atomic_write_json, recover
+
+MAX_SAMPLING_ROUNDS = 4  # prompt batches drawn per step at most when groups are filtered
+
+
+def run(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    console: Any = None,
+    comm: Comm | None = None,
+) -> dict[str, Any]:
+    """Train with the configured GRPO variant; return the summary (also in summary.json)."""
+    from essa.backends.hf import load_model
+    from essa.backends.memory import model_bytes
+    from essa.dist import get_comm
+    from essa.recipes.common import load_or_train_adapter, load_task, seed_everything
+
+    wall_start = time.perf_counter()
+    comm = get_comm() if comm is None else comm
+    if comm.world_size > 1:
+        raise UserError(
+            f"algorithm: grpo runs in one process for now (got {comm.world_size} ranks); "
+            "launch it without mpiexec/srun"
+        )
+    g = cfg.grpo
+    variant = losses.get_variant(g.loss)
+    seed_everything(cfg.run.seed)
+    task = load_task(cfg.data, cfg.run.seed)
+    reward = _reward(cfg)
+    model, tokenizer = load_model(cfg.model)
+    base_bytes = model_bytes(model)  # the base weights as stored, as ESSA reports them
+    if not resume:
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+    peft_model, sft_dir = load_or_train_adapter(cfg, model, tokenizer, task, run_dir, console)
+    policy = Policy.build(peft_model, g.trainable, cfg.adapter.alpha)
+    optimizer = torch.optim.AdamW(policy.params, lr=g.lr, weight_decay=g.weight_decay)
+    data = _Data.build(task, cfg, tokenizer)
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    state = _load_checkpoint(run_dir, policy, optimizer) if resume else None
+    if state is None:
+        metrics.truncate_after(-2)
+        baseline = heldout_accuracy(policy, tokenizer, data, cfg)
+        state = {"step": 0, "baseline_accuracy": baseline, "elapsed": 0.0, "history": {}}
+        metrics.write(
+            {
+                "generation": -1,
+                "event": "baseline",
+                "heldout_accuracy": baseline,
+                "dim": policy.dim,
+                "variant": _preset(cfg),
+            }
+        )
+    else:
+        metrics.truncate_after(state["step"] - 1)
+    _say(
+        console,
+        f"GRPO ({g.loss}, trainable={g.trainable}): {policy.dim} parameters, "
+        f"{g.prompts_per_step} prompts x G={g.group_size} per step, "
+        f"held-out baseline {state['baseline_accuracy']:.3f}",
+    )
+    elapsed_before = state["elapsed"]
+    while state["step"] < cfg.run.generations:
+        step = state["step"]
+        record = train_step(cfg, variant, policy, optimizer, tokenizer, reward, data, state)
+        if cfg.evaluation.every and (step + 1) % cfg.evaluation.every == 0:
+            record["heldout_accuracy"] = heldout_accuracy(policy, tokenizer, data, cfg)
+        state["step"] = step + 1
+        state["elapsed"] = elapsed_before + time.perf_counter() - wall_start
+        _save_checkpoint(run_dir, policy, optimizer, state)
+        metrics.write(record)
+        _report(console, cfg, record)
+        if cfg.run.max_wall_seconds and state["elapsed"] > cfg.run.max_wall_seconds:
+            _say(console, f"stopping: run.max_wall_seconds={cfg.run.max_wall_seconds} reached")
+            break
+    state["elapsed"] = elapsed_before + time.perf_counter() - wall_start
+    state["model_bytes"] = base_bytes
+    return _finish(cfg, run_dir, policy, tokenizer, data, state, sft_dir, wall_start, console)
+
+
+def _reward(cfg: Config) -> Any:
+    from essa.rewards import get_reward
+
+    try:
+        reward = get_reward(cfg.reward.name, **cfg.reward.params)
+    except (ValueError, ImportError) as err:
+        raise UserError(f"reward.name: {err}") from None
+    if reward.needs:
+        raise UserError(
+            f"reward.name: {cfg.reward.name} needs {sorted(reward.needs)}, which the GRPO "
+            "recipe does not provide yet"
+        )
+    return reward  # group rewards work as is: each prompt's G completions come in one call
+
+
+# ---------------------------------------------------------------------------------------------
+# What is trained
+
+
+@dataclass
+class Policy:
+    """The PEFT model plus the tensors GRPO trains and their frozen SFT values (the reference)."""
+
+    model: Any  # PeftModel; its LoRA weights are either trained or parametrized by ``params``
+    params: list[torch.Tensor]  # the trainable tensors
+    reference: list[torch.Tensor]  # their SFT values: the KL reference and the baseline
+    svd: Any = None  # SVDAdapter when trainable == singular_values
+
+    @classmethod
+    def build(cls, peft_model: Any, trainable: str, alpha: float) -> Policy:
+        for param in peft_model.parameters():
+            param.requires_grad_(False)
+        svd = None
+        if trainable == "lora":
+            params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
+        else:
+            svd, offsets = _parametrize_singular_values(peft_model, alpha)
+            params = [offsets]
+        for param in params:
+            param.requires_grad_(True)
+        reference = [p.detach().clone() for p in params]
+        return cls(peft_model.eval(), params, reference, svd)
+
+    @property
+    def dim(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    @contextlib.contextmanager
+    def frozen_reference(self) -> Iterator[None]:
+        """Temporarily load the SFT values (for reference log-probs); restore bit-exactly."""
+        saved = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for param, ref in zip(self.params, self.reference, strict=True):
+                param.copy_(ref)
+            try:
+                yield
+            finally:
+                for param, value in zip(self.params, saved, strict=True):
+                    param.copy_(value)
+
+    def inference(self) -> contextlib.AbstractContextManager[None]:
+        """Generation context: reconstruct parametrized factors once, not at every token."""
+        from torch.nn.utils import parametrize
+
+        return parametrize.cached() if self.svd is not None else contextlib.nullcontext()
+
+    def export(self, out_dir: Path, base_model_name_or_path: str) -> None:
+        if self.svd is None:
+            from essa.recipes.sft import save_adapter
+
+            save_adapter(self.model, out_dir)
+            return
+        vector = self.params[0].detach().to("cpu", torch.float64).numpy()
+        self.svd.export_peft(vector, out_dir, base_model_name_or_path=base_model_name_or_path)
+
+
+class _FactorFromSingularValues(torch.nn.Module):
+    """A LoRA factor rebuilt as U diag(s_SFT + offsets[slice], padded) Vᵀ (SVD-GRPO)."""
+
+    u: torch.Tensor
+    v: torch.Tensor
+    s: torch.Tensor
+
+    def __init__(
+        self,
+        u: torch.Tensor,
+        v: torch.Tensor,
+        s: torch.Tensor,
+        offsets: torch.Tensor,
+        part: slice,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("u", u)  # (rows, r)
+        self.register_buffer("v", v)  # (cols, r)
+        self.register_buffer("s", s.float())  # (r,) SFT singular values
+        self.offsets = offsets  # the shared trainable (D,) vector
+        self.part = part
+
+    def forward(self, _weight: torch.Tensor) -> torch.Tensor:
+        delta = self.offsets[self.part]  # (k,)
+        s = self.s + torch.nn.functional.pad(delta, (0, self.s.shape[0] - delta.shape[0]))
+        return (self.u * s) @ self.v.T  # (rows, cols)
+
+
+def _parametrize_singular_values(peft_model: Any, alpha: float) -> tuple[Any, torch.Tensor]:
+    from torch.nn.utils import parametrize
+
+    from essa.adapters import SVDAdapter
+
+    try:
+        svd = SVDAdapter.from_peft_model(peft_model, alpha=alpha)
+    except ValueError as err:
+        raise UserError(f"adapter: {err}") from None
+    device = next(peft_model.parameters()).device
+    offsets = torch.nn.Parameter(torch.zeros(svd.dim, device=device))  # (D,) zero = SFT
+    layers = dict(peft_model.named_modules())
+    for module in svd.modules:
+        layer = layers[f"base_model.model.{module.name}"]
+        (name,) = layer.active_adapters
+        factors = (
+            (layer.lora_A[name], module.u_a, module.v_a, module.s_a, module.slice_a),
+            (layer.lora_B[name], module.u_b, module.v_b, module.s_b, module.slice_b),
+        )
+        for linear, u, v, s, part in factors:
+            rebuild = _FactorFromSingularValues(
+                u.to(device), v.to(device), s.to(device), offsets, part
+            )
+            parametrize.register_parametrization(linear, "weight", rebuild, unsafe=True)
+    return svd, offsets
+
+
+# ---------------------------------------------------------------------------------------------
+# Data, rollouts and log-probs
+
+
+@dataclass(frozen=True)
+class _Data:
+    train: list[Any]  # Example
+    train_prompts: list[str]
+    test: list[Any]
+    test_prompts: list[str]
+
+    @classmethod
+    def build(cls, task: Any, cfg: Config, tokenizer: Any) -> _Data:
+        from essa.recipes.common import render_prompts
+
+        return cls(
+            task.train,
+            render_prompts(task.train, cfg.data.template, tokenizer),
+            task.test,
+            render_prompts(task.test, cfg.data.template, tokenizer),
+        )
+
+
+@dataclass(frozen=True)
+class Rollout:
+    input_ids: torch.Tensor  # (B, P + T) left-padded prompt, then completion
+    attention_mask: torch.Tensor  # (B, P + T) prompt padding 0, completion up to EOS 1
+    completion_ids: torch.Tensor  # (B, T)
+    mask: torch.Tensor  # (B, T) float: completion tokens up to and including the first EOS
+    truncated: torch.Tensor  # (B,) bool: no EOS within max_new_tokens
+    texts: list[str]
+
+
+@torch.no_grad()
+def rollout(
+    policy: Policy,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    cfg: Config,
+    seed: int,
+) -> Rollout:
+    """Sample one completion per prompt row at grpo.temperature (HF generate)."""
+    model = policy.model
+    device = next(model.parameters()).device
+    batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
+    torch.manual_seed(seed)  # HF sampling draws from the global torch RNG
+    chunks = []
+    size = cfg.evaluation.micro_batch_size
+    with policy.inference():
+        for start in range(0, len(prompts), size):
+            part = {k: v[start : start + size].to(device) for k, v in batch.items()}
+            out = model.generate(
+                **part,
+                do_sample=True,
+                temperature=cfg.grpo.temperature,
+                top_p=cfg.generation.top_p,
+                top_k=0,
+                max_new_tokens=cfg.generation.max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            chunks.append(out[:, part["input_ids"].shape[1] :].cpu())  # (b, T_chunk)
+    width = max(c.shape[1] for c in chunks)
+    completion = torch.cat(
+        [
+            torch.nn.functional.pad(c, (0, width - c.shape[1]), value=tokenizer.pad_token_id)
+            for c in chunks
+        ]
+    )
+    is_eos = completion == tokenizer.eos_token_id  # (B, T)
+    # Keep tokens up to and including the first EOS (pad may equal EOS, so do not test pad).
+    mask = (torch.cumsum(is_eos, dim=1) - is_eos.long()) == 0  # (B, T)
+    return Rollout(
+        input_ids=torch.cat([batch["input_ids"], completion], dim=1),
+        attention_mask=torch.cat([batch["attention_mask"], mask.long()], dim=1),
+        completion_ids=completion,
+        mask=mask.float(),
+        truncated=~is_eos.any(dim=1),
+        texts=tokenizer.batch_decode(
+            completion * mask + tokenizer.pad_token_id * ~mask, skip_special_tokens=True
+        ),
+    )
+
+
+def token_logprobs(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_completion_tokens: int,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the completion tokens and the policy's entropy there: 2 x (B, T)."""
+    device = next(model.parameters()).device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate does, left padding
+    t = num_completion_tokens
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=t + 1,
+    ).logits[:, :-1]  # (B, T, V): position j predicts completion token j
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
+    logp = logp_all.gather(-1, input_ids[:, -t:, None]).squeeze(-1)  # (B, T)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, T)
+    return logp.cpu(), entropy.cpu()
+
+
+# ---------------------------------------------------------------------------------------------
+# One step
+
+
+@dataclass
+class _Groups:
+    """The step's training batch: kept groups of G completions."""
+
+    rollouts: list[Rollout]
+    rewards: list[torch.Tensor]  # (n_i, G) per round
+    prompt_ids: list[int]  # stable training-set index of each kept group
+
+
+def sample_groups(
+    cfg: Config,
+    variant: losses.Variant,
+    policy: Policy,
+    tokenizer: Any,
+    reward: Any,
+    data: _Data,
+    step: int,
+) -> tuple[_Groups, dict[str, float]]:
+    """Draw prompts, sample G completions each, score; resample when the variant filters."""
+    g = cfg.grpo
+    kept = _Groups([], [], [])
+    sampled_rewards: list[torch.Tensor] = []
+    new_tokens = 0
+    rounds = 0
+    while rounds < MAX_SAMPLING_ROUNDS and len(kept.prompt_ids) < g.prompts_per_step:
+        rng = np.random.default_rng(np.random.SeedSequence([cfg.run.seed, 9, step, rounds]))
+        idx = rng.choice(
+            len(data.train), size=min(g.prompts_per_step, len(data.train)), replace=False
+        ).tolist()
+        prompts = [data.train_prompts[i] for i in idx for _ in range(g.group_size)]
+        answers = [data.train[i].answer for i in idx for _ in range(g.group_size)]
+        seed = int(np.random.SeedSequence([cfg.run.seed, 10, step, rounds]).generate_state(1)[0])
+        out = rollout(policy, tokenizer, prompts, cfg, seed)
+        scores = reward(out.texts, answers, prompts)
+        rewards = torch.tensor([math.nan if s is None else float(s) for s in scores])  # (B,)
+        if g.overlong_buffer:
+            lengths = out.mask.sum(-1)  # (B,)
+            max_length = cfg.generation.max_new_tokens
+            rewards = rewards + losses.soft_overlong_punishment(
+                lengths, max_length, g.overlong_buffer
+            )
+        rewards = rewards.view(len(idx), g.group_size)  # (N, G)
+        sampled_rewards.append(rewards)
+        new_tokens += int((out.completion_ids != tokenizer.pad_token_id).sum())  # as ESSA counts
+        rounds += 1
+        keep = losses.groups_to_keep(rewards, variant.group_filter)  # (N,)
+        room = g.prompts_per_step - len(kept.prompt_ids)
+        chosen = torch.nonzero(keep).flatten()[:room]  # (n,)
+        if chosen.numel() == 0:
+            continue
+        rows = (chosen[:, None] * g.group_size + torch.arange(g.group_size)).flatten()  # (n*G,)
+        kept.rollouts.append(_select(out, rows))
+        kept.rewards.append(rewards[chosen])
+        kept.prompt_ids.extend(idx[i] for i in chosen.tolist())
+    every = torch.cat(sampled_rewards)  # (N_all, G)
+    _, std = losses.group_mean_std(every)
+    stats = {
+        "mean_reward": float(torch.nanmean(every)),
+        "frac_reward_zero_std": float((std.flatten() == 0).float().mean()),
+        "groups_kept": len(kept.prompt_ids),
+        "sampling_rounds": rounds,
+        "new_tokens": new_tokens,
+    }
+    return kept, stats
+
+
+def _select(out: Rollout, rows: torch.Tensor) -> Rollout:
+    return Rollout(
+        out.input_ids[rows],
+        out.attention_mask[rows],
+        out.completion_ids[rows],
+        out.mask[rows],
+        out.truncated[rows],
+        [out.texts[i] for i in rows.tolist()],
+    )
+
+
+def _merge(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Concatenate the rounds' rollouts (prompt and completion widths may differ)."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    p = max(r.input_ids.shape[1] - r.completion_ids.shape[1] for r in rollouts)
+    t = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def widen(x: torch.Tensor, prompt: int, completion: int, value: int) -> torch.Tensor:
+        left = p - prompt
+        right = t - completion
+        return torch.nn.functional.pad(x, (left, right), value=value)
+
+    parts = []
+    for r in rollouts:
+        prompt = r.input_ids.shape[1] - r.completion_ids.shape[1]
+        completion = r.completion_ids.shape[1]
+        parts.append(
+            (
+                widen(r.input_ids, prompt, completion, pad_token_id),
+                widen(r.attention_mask, prompt, completion, 0),
+                torch.nn.functional.pad(r.completion_ids, (0, t - completion), value=pad_token_id),
+                torch.nn.functional.pad(r.mask, (0, t - completion)),
+            )
+        )
+    return Rollout(
+        torch.cat([x[0] for x in parts]),
+        torch.cat([x[1] for x in parts]),
+        torch.cat([x[2] for x in parts]),
+        torch.cat([x[3] for x in parts]),
+        torch.cat([r.truncated for r in rollouts]),
+        [text for r in rollouts for text in r.texts],
+    )
+
+
+def train_step(
+    cfg: Config,
+    variant: losses.Variant,
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    tokenizer: Any,
+    reward: Any,
+    data: _Data,
+    state: dict[str, Any],
+) -> dict[str, Any]:
+    """Sample, score, form advantages and update; returns the step's metrics record."""
+    g = cfg.grpo
+    step = state["step"]
+    start = time.perf_counter()
+    groups, stats = sample_groups(cfg, variant, policy, tokenizer, reward, data, step)
+    record: dict[str, Any] = {"generation": step, **stats}
+    if not groups.prompt_ids:  # every group was filtered away: nothing to learn from
+        record.update(seconds=round(time.perf_counter() - start, 4), skipped=True)
+        return record
+    batch = _merge(groups.rollouts, tokenizer.pad_token_id)
+    history = _history_from_json(state["history"])
+    adv, history = losses.advantages(variant, torch.cat(groups.rewards), groups.prompt_ids, history)
+    state["history"] = _history_to_json(history)
+    mask = batch.mask * adv.keep.flatten()[:, None]  # (B, T)
+    if variant.use_truncation_mask:
+        mask = mask * ~batch.truncated[:, None]  # overlong filtering (spec §5.4a)
+    group_index = torch.arange(len(groups.prompt_ids)).repeat_interleave(g.group_size)  # (B,)
+    counts = losses.step_counts(mask, group_index, cfg.generation.max_new_tokens)
+    for param_group in optimizer.param_groups:
+        param_group["lr"] = g.lr * lr_factor(step, cfg)
+    updates = _update(cfg, variant, policy, optimizer, batch, adv.values.flatten(), mask, counts)
+    lengths = batch.mask.sum(-1)
+    seconds = time.perf_counter() - start
+    record.update(updates)
+    record.update(
+        completion_length=float(lengths.mean()),
+        truncated_fraction=float(batch.truncated.float().mean()),
+        lr=optimizer.param_groups[0]["lr"],
+        seconds=round(seconds, 4),
+        tokens_per_second=round(record["new_tokens"] / seconds, 1) if seconds > 0 else None,
+    )
+    return record
+
+
+def _update(
+    cfg: Config,
+    variant: losses.Variant,
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    batch: Rollout,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    counts: losses.Counts,
+) -> dict[str, float]:
+    """``num_iterations`` AdamW steps on the batch, each accumulated over micro-batches."""
+    g = cfg.grpo
+    beta = variant.beta if g.beta is None else g.beta
+    t = batch.completion_ids.shape[1]
+    chunks = [c for c in torch.arange(mask.shape[0]).chunk(g.grad_accumulation) if c.numel()]
+
+    def logprobs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, attention = batch.input_ids[rows], batch.attention_mask[rows]
+        return token_logprobs(policy.model, ids, attention, t, g.temperature)
+
+    with torch.no_grad():
+        old_logp = torch.cat([logprobs(c)[0] for c in chunks]) if g.num_iterations > 1 else None
+        ref_logp = None
+        if beta != 0.0:
+            with policy.frozen_reference():
+                ref_logp = torch.cat([logprobs(c)[0] for c in chunks])  # (B, T)
+    totals: dict[str, float] = {}
+    for _ in range(g.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        totals = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0}
+        for rows in chunks:
+            logp, entropy = logprobs(rows)  # (b, T)
+            old = logp.detach() if old_logp is None else old_logp[rows]
+            loss, token = losses.policy_loss(
+                variant,
+                logp,
+                old,
+                advantages[rows],
+                mask[rows],
+                counts._replace(group_tokens=counts.group_tokens[rows]),
+                ref_logp=None if ref_logp is None else ref_logp[rows],
+                beta=beta,
+                epsilon_low=g.epsilon_low,
+                epsilon_high=g.epsilon_high,
+            )
+            loss.backward()
+            _accumulate(totals, loss, token, advantages[rows], mask[rows], entropy, counts)
+        norm = _clip_gradients(policy.params, g.max_grad_norm)
+        optimizer.step()
+    return {**totals, "grad_norm": norm}
+
+
+def _accumulate(
+    totals: dict[str, float],
+    loss: torch.Tensor,
+    token: losses.TokenLoss,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    entropy: torch.Tensor,
+    counts: losses.Counts,
+) -> None:
+    """Token-weighted sums over micro-batches: every metric ends as a mean over the step."""
+    share = float(mask.sum()) / max(counts.num_tokens, 1)
+    low, high = losses.clip_fractions(token, advantages, mask)
+    totals["loss"] += float(loss.detach())
+    totals["clip_low"] += low * share
+    totals["clip_high"] += high * share
+    totals["entropy"] += float((entropy * mask).sum()) / max(counts.num_tokens, 1)
+    if token.kl is not None:
+        totals["kl"] += float((token.kl.detach() * mask).sum()) / max(counts.num_tokens, 1)
+
+
+def _clip_gradients(params: list[torch.Tensor], max_norm: float) -> float:
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    grads = [p.grad.flatten() for p in params if p.grad is not None]
+    return float(torch.cat(grads).norm()) if grads else 0.0
+
+
+def lr_factor(step: int, cfg: Config) -> float:
+    """Linear warm-up over ``lr_warmup_steps`` rollout steps, then constant/cosine/linear."""
+    g = cfg.grpo
+    if step < g.lr_warmup_steps:
+        return (step + 1) / g.lr_warmup_steps
+    frac = min(1.0, (step - g.lr_warmup_steps) / max(1, cfg.run.generations - g.lr_warmup_steps))
+    if g.lr_schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+    if g.lr_schedule == "linear":
+        return 1.0 - frac
+    return 1.0
+
+
+def heldout_accuracy(policy: Policy, tokenizer: Any, data: _Data, cfg: Config) -> float:
+    """Greedy pass@1 on the fixed test split (the same helper and split as ESSA)."""
+    from essa.backends.hf import generate_texts
+    from essa.recipes.common import accuracy
+
+    if not data.test:
+        return float("nan")
+    with policy.inference():
+        texts, _ = generate_texts(
+            policy.model,
+            tokenizer,
+            data.test_prompts,
+            cfg.generation,
+            micro_batch_size=cfg.evaluation.micro_batch_size,
+        )
+    return accuracy(texts, data.test, data.test_prompts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint, summary, messages
+
+
+def _history_to_json(history: dict[int, losses.PromptStats]) -> dict[str, list[float]]:
+    return {str(k): [v.visits, v.mean, v.var] for k, v in history.items()}
+
+
+def _history_from_json(data: dict[str, list[float]]) -> dict[int, losses.PromptStats]:
+    return {int(k): losses.PromptStats(int(v[0]), v[1], v[2]) for k, v in data.items()}
+
+
+def _save_checkpoint(
+    run_dir: Path, policy: Policy, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """RUN_DIR/checkpoint/: state.json and tensors.safetensors (trainables, AdamW moments)."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    adam_steps = []
+    for i, param in enumerate(policy.params):
+        tensors[f"param.{i}"] = param.detach().cpu().contiguous()
+        moments = optimizer.state.get(param, {})
+        if moments:
+            tensors[f"exp_avg.{i}"] = moments["exp_avg"].cpu().contiguous()
+            tensors[f"exp_avg_sq.{i}"] = moments["exp_avg_sq"].cpu().contiguous()
+        adam_steps.append(float(moments["step"]) if moments else 0.0)
+    with atomic_dir(run_dir / "checkpoint") as tmp:
+        save_file(tensors, str(tmp / "tensors.safetensors"))
+        (tmp / "state.json").write_text(json.dumps({**state, "adam_steps": adam_steps}))
+
+
+def _load_checkpoint(
+    run_dir: Path, policy: Policy, optimizer: torch.optim.Optimizer
+) -> dict[str, Any] | None:
+    from safetensors.torch import load_file
+
+    recover(run_dir / "checkpoint")
+    path = run_dir / "checkpoint"
+    if not (path / "state.json").exists():
+        return None
+    state = json.loads((path / "state.json").read_text())
+    tensors = load_file(str(path / "tensors.safetensors"))
+    adam_steps = state.pop("adam_steps")
+    if len(adam_steps) != len(policy.params):
+        raise UserError(f"--resume {run_dir}: the checkpoint does not match this model/adapter")
+    with torch.no_grad():
+        for i, param in enumerate(policy.params):
+            param.copy_(tensors[f"param.{i}"])
+            if f"exp_avg.{i}" in tensors:
+                device = param.device
+                optimizer.state[param] = {
+                    "step": torch.tensor(adam_steps[i]),
+                    "exp_avg": tensors[f"exp_avg.{i}"].to(device),
+                    "exp_avg_sq": tensors[f"exp_avg_sq.{i}"].to(device),
+                }
+    return state
+
+
+def _preset(cfg: Config) -> dict[str, Any]:
+    """The variant preset with this run's overrides applied: logged so numbers say what ran."""
+    variant = losses.get_variant(cfg.grpo.loss)
+    preset = {k: v for k, v in vars(variant).items()}
+    for key in ("beta", "epsilon_low", "epsilon_high"):
+        value = getattr(cfg.grpo, key)
+        if value is not None:
+            preset[key] = value
+    return preset
+
+
+def _finish(
+    cfg: Config,
+    run_dir: Path,
+    policy: Policy,
+    tokenizer: Any,
+    data: _Data,
+    state: dict[str, Any],
+    sft_dir: str,
+    wall_start: float,
+    console: Any,
+) -> dict[str, Any]:
+    from essa.backends.memory import memory_metrics
+
+    t0 = time.perf_counter()
+    final = heldout_accuracy(policy, tokenizer, data, cfg)
+    adapter_dir = run_dir / "adapter"
+    policy.export(adapter_dir, cfg.model.name_or_path)
+    summary = {
+        "algorithm": "grpo",
+        "loss": cfg.grpo.loss,
+        "trainable": cfg.grpo.trainable,
+        "baseline_accuracy": state["baseline_accuracy"],
+        "final_accuracy": final,
+        "improvement": final - state["baseline_accuracy"],
+        "generations": state["step"],
+        "wall_seconds": round(state["elapsed"] + time.perf_counter() - t0, 2),
+        "process_wall_seconds": round(time.perf_counter() - wall_start, 2),
+        "adapter_dir": str(adapter_dir),
+        "sft_adapter_dir": sft_dir,
+        "selected": "final",
+        "scale_baseline": None,
+        "dim": policy.dim,
+        "test_size": len(data.test),
+        "variant": _preset(cfg),
+        "grpo": to_dict(cfg.grpo),
+        **memory_metrics(state["model_bytes"]),
+    }
+    atomic_write_json(run_dir / "summary.json", summary)
+    _say(
+        console,
+        f"held-out accuracy {summary['baseline_accuracy']:.3f} -> {final:.3f} "
+        f"({summary['improvement']:+.3f}); adapter: {adapter_dir}",
+    )
+    return summary
+
+
+def _report(console: Any, cfg: Config, record: dict[str, Any]) -> None:
+    if console is None or not cfg.run.show_progress:
+        return
+    text = (
+        f"step {record['generation'] + 1}/{cfg.run.generations}: reward {record['mean_reward']:.3f}"
+    )
+    if "heldout_accuracy" in record:
+        text += f" held-out {record['heldout_accuracy']:.3f}"
+    if "heldout_accuracy" in record or (record["generation"] + 1) % 10 == 0:
+        console.print(text)
+
+
+def _say(console: Any, text: str) -> None:
+    if console is not None:
+        console.print(text)

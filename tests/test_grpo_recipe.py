@@ -1,0 +1,166 @@
+"""Pieces of the GRPO recipe on the tiny in-process Qwen2: rollouts, log-probs, SVD-GRPO."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from essa.config import Config, GenerationConfig, GRPOConfig
+from essa.recipes.grpo import Policy, lr_factor, rollout, token_logprobs
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> tuple[torch.nn.Module, object]:
+    """(peft_model, tokenizer): the tiny Qwen2 with a random (non-zero B) LoRA."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.padding_side = "left"
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
+    peft_model = get_peft_model(base, lora).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at 0; a trained adapter has non-zero B
+                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+    return peft_model, tokenizer
+
+
+def small_cfg(**grpo: object) -> Config:
+    return Config(
+        generation=GenerationConfig(max_new_tokens=6),
+        grpo=GRPOConfig(temperature=0.7, **grpo),  # type: ignore[arg-type]
+    )
+
+
+def test_token_logprobs_match_generate_with_left_padding(tiny) -> None:  # type: ignore[no-untyped-def]
+    peft_model, tokenizer = tiny
+    policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
+    cfg = small_cfg()
+    prompts = ["12+7=", "5+93=", "1+1="]  # different lengths: left padding differs per row
+    out = rollout(policy, tokenizer, prompts, cfg, seed=3)
+    t = out.completion_ids.shape[1]
+    logp, entropy = token_logprobs(
+        policy.model, out.input_ids, out.attention_mask, t, cfg.grpo.temperature
+    )
+    # Reference: generate again with the same seed, keeping its raw logits.
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    torch.manual_seed(3)
+    ref = policy.model.generate(
+        **batch,
+        do_sample=True,
+        temperature=0.7,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=6,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    assert torch.equal(ref.sequences[:, batch["input_ids"].shape[1] :], out.completion_ids)
+    raw = torch.stack(ref.logits, dim=1)  # (B, T, V) before temperature
+    expected = torch.log_softmax(raw / 0.7, -1).gather(-1, out.completion_ids[..., None])[..., 0]
+    mask = out.mask.bool()
+    assert torch.allclose(logp[mask], expected[mask], atol=1e-4)
+    assert (entropy[mask] >= 0).all()
+
+
+def test_rollout_mask_stops_after_first_eos(tiny) -> None:  # type: ignore[no-untyped-def]
+    peft_model, tokenizer = tiny
+    policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
+    out = rollout(policy, tokenizer, ["3+4="] * 16, small_cfg(), seed=0)
+    eos = out.completion_ids == tokenizer.eos_token_id
+    for row in range(16):
+        hits = torch.nonzero(eos[row]).flatten()
+        n = int(out.mask[row].sum())
+        if hits.numel():
+            assert n == int(hits[0]) + 1 and not out.truncated[row]  # EOS itself is trained on
+        else:
+            assert n == out.completion_ids.shape[1] and out.truncated[row]
+    assert len(out.texts) == 16
+
+
+def test_singular_values_policy_starts_at_the_sft_adapter(tiny) -> None:  # type: ignore[no-untyped-def]
+    peft_model, tokenizer = tiny
+    ids = tokenizer(["12+34="], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids).logits
+    policy = Policy.build(copy.deepcopy(peft_model), "singular_values", 1.0)
+    assert [p.shape for p in policy.params] == [torch.Size([policy.svd.dim])]
+    logits = policy.model(input_ids=ids).logits
+    assert torch.allclose(logits, expected, atol=1e-5)
+    logits.sum().backward()
+    trainable = [n for n, p in policy.model.named_parameters() if p.grad is not None]
+    assert len(trainable) == 1 and policy.params[0].grad.abs().sum() > 0
+    with torch.no_grad():
+        policy.params[0].add_(0.5)
+        moved = policy.model(input_ids=ids).logits
+        with policy.frozen_reference():
+            assert torch.allclose(policy.model(input_ids=ids).logits, expected, atol=1e-5)
+        assert torch.equal(policy.model(input_ids=ids).logits, moved)  # restored bit-exactly
+
+
+def test_singular_values_export_reproduces_the_policy(tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    peft_model, tokenizer = tiny
+    policy = Policy.build(copy.deepcopy(peft_model), "singular_values", 1.0)
+    with torch.no_grad():
+        policy.params[0].copy_(0.3 * torch.randn(policy.params[0].shape))
+    ids = tokenizer(["7+8="], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = policy.model(input_ids=ids).logits
+    policy.export(tmp_path / "adapter", "unused")
+    base_dir = peft_model.base_model.model.config._name_or_path
+    base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    loaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, expected, atol=1e-4)
+
+
+def test_lr_schedule() -> None:
+    cfg = Config(grpo=GRPOConfig(lr_schedule="cosine", lr_warmup_steps=2))
+    cfg = Config(grpo=cfg.grpo, run=type(cfg.run)(generations=12))
+    assert [lr_factor(s, cfg) for s in (0, 1)] == [0.5, 1.0]
+    assert lr_factor(2, cfg) == pytest.approx(1.0)
+    assert lr_factor(7, cfg) == pytest.approx(0.5)
+    assert lr_factor(12, cfg) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("grpo.group_size=1", "grpo.group_size: must be >= 2"),
+        ("grpo.loss=ppo", "grpo.loss: expected one of 'grpo' | 'dr_grpo'"),
+        ("grpo.overlong_buffer=20", "exceeds generation.max_new_tokens"),
+        ("grpo.epsilon_low=1.5", "grpo.epsilon_low: must be in [0, 1)"),
+        ("grpo.beta=-0.1", "grpo.beta: must be >= 0"),
+        ("grpo.trainable=full", "grpo.trainable: expected one of 'lora' | 'singular_values'"),
+    ],
+)
+def test_grpo_config_errors(override: str, fragment: str) -> None:
+    from essa.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="^--set grpo") as err:
+        load_config(None, ["algorithm=grpo", override])
+    assert fragment in str(err.value)
+
+
+def test_grpo_refuses_multi_rank_runs(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from essa.errors import UserError
+    from essa.recipes import grpo
+
+    comm = SimpleNamespace(rank=0, world_size=2)
+    with pytest.raises(UserError, match="one process"):
+        grpo.run(Config(algorithm="grpo"), tmp_path, comm=comm)  # type: ignore[arg-type]
