@@ -48,14 +48,13 @@ def run(
     from essa.backends.evaluator import PopulationEvaluator
     from essa.backends.hf import load_model
     from essa.backends.memory import memory_metrics, model_bytes
-    from essa.dist import any_rank, check_replicas, get_comm, place_rank, shard
+    from essa.dist import any_rank, check_replicas, get_comm, place_rank
     from essa.optimizers import make_optimizer
     from essa.recipes.common import (
         load_task,
         render_prompts,
         seed_everything,
     )
-    from essa.rewards import fitness_from_rewards, get_reward
 
     wall_start = time.perf_counter()
     comm = get_comm() if comm is None else comm
@@ -63,18 +62,7 @@ def run(
     console = console if is_root else None  # one progress bar, one set of messages
     seed_everything(cfg.run.seed)
     task = load_task(cfg.data, cfg.run.seed)
-    try:
-        reward = get_reward(cfg.reward.name, **cfg.reward.params)
-    except (ValueError, ImportError) as err:
-        raise UserError(f"reward.name: {err}") from None
-    if reward.is_group or reward.needs:
-        # Greedy ESSA yields one completion per (candidate, prompt), and ranks hold only their
-        # own candidates' completions, so there is no group to vote in and no log-prob hook yet.
-        raise UserError(
-            f"reward.name: {cfg.reward.name} needs "
-            f"{'a group of completions per prompt' if reward.is_group else sorted(reward.needs)}, "
-            "which the ESSA recipe does not provide yet"
-        )
+    reward = _load_reward(cfg)
     model, tokenizer = load_model(place_rank(cfg.model, comm))
     base_bytes = model_bytes(model)  # the base weights as stored (quantised ones packed)
     if is_root and not resume:
@@ -110,23 +98,13 @@ def run(
     state = _load_checkpoint(run_dir, opt) if resume else None
     if state is None:
         metrics.truncate_after(-2)
-        baseline = heldout(np.zeros(adapter.dim))
-        state = {
-            "baseline_accuracy": baseline,
-            "best_fitness": None,
-            "best_vector": None,
-            "elapsed": 0.0,
-        }
-        if cfg.evaluation.use_scale_baseline:
-            state["scale_baseline"] = _scale_baseline(
-                evaluator, adapter, task.train, train_prompts, reward, cfg.run.seed, heldout
-            )
+        state = _initial_state(cfg, evaluator, adapter, task, train_prompts, reward, heldout)
         metrics.write(
             {
                 "generation": -1,
                 "event": "baseline",
-                "heldout_accuracy": baseline,
                 "dim": adapter.dim,
+                "heldout_accuracy": state["baseline_accuracy"],
                 **memory_metrics(base_bytes),
             }
         )
@@ -144,17 +122,11 @@ def run(
             g = opt.generation
             gen_start = time.perf_counter()
             bytes_before = comm.comm_bytes
-            idx = _minibatch(len(task.train), cfg.data.batch_size, cfg.run.seed, g)
-            prompts = [train_prompts[i] for i in idx]
-            population = opt.ask()  # (P, D), identical on every rank
-            mine = shard(len(population), comm.rank, comm.world_size)
             tokens_before = evaluator.stats.new_tokens
-            texts = evaluator.completions(
-                population[mine], prompts, seed=cfg.run.seed * 100_003 + g
+            population = opt.ask()  # (P, D), identical on every rank
+            fitness = _fitness(
+                cfg, g, population, evaluator, task.train, train_prompts, reward, comm
             )
-            answers = [task.train[i].answer for i in idx]
-            local = np.array([fitness_from_rewards(reward(t, answers, prompts)) for t in texts])
-            fitness = comm.allgather_fitness(local)  # (P,) float64: the only data crossing ranks
             opt_metrics = opt.tell(population, fitness)
             check_replicas(comm, opt, g)  # every rank must now hold the same state
             _track_best(state, population, fitness)
@@ -196,6 +168,70 @@ def run(
     if not is_root:
         return {}  # rank 0 alone evaluates, exports and writes the summary
     return _finish(cfg, run_dir, adapter, opt, state, heldout, sft_dir, wall_start, console)
+
+
+def _load_reward(cfg: Config) -> Any:
+    from essa.rewards import get_reward
+
+    try:
+        reward = get_reward(cfg.reward.name, **cfg.reward.params)
+    except (ValueError, ImportError) as err:
+        raise UserError(f"reward.name: {err}") from None
+    if reward.is_group or reward.needs:
+        # Greedy ESSA yields one completion per (candidate, prompt), and ranks hold only their
+        # own candidates' completions, so there is no group to vote in and no log-prob hook yet.
+        needs = "a group of completions per prompt" if reward.is_group else sorted(reward.needs)
+        raise UserError(
+            f"reward.name: {cfg.reward.name} needs {needs}, "
+            "which the ESSA recipe does not provide yet"
+        )
+    return reward
+
+
+def _initial_state(
+    cfg: Config,
+    evaluator: Any,
+    adapter: Any,
+    task: Any,
+    train_prompts: list[str],
+    reward: Any,
+    heldout: Any,
+) -> dict[str, Any]:
+    """Fresh-run state: the SFT adapter's held-out accuracy and the no-search baseline."""
+    state: dict[str, Any] = {
+        "baseline_accuracy": heldout(np.zeros(adapter.dim)),
+        "best_fitness": None,
+        "best_vector": None,
+        "elapsed": 0.0,
+    }
+    if cfg.evaluation.use_scale_baseline:
+        state["scale_baseline"] = _scale_baseline(
+            evaluator, adapter, task.train, train_prompts, reward, cfg.run.seed, heldout
+        )
+    return state
+
+
+def _fitness(
+    cfg: Config,
+    g: int,
+    population: np.ndarray,
+    evaluator: Any,
+    train: list[Example],
+    train_prompts: list[str],
+    reward: Any,
+    comm: Comm,
+) -> np.ndarray:
+    """Evaluate this rank's shard on generation g's shared prompts; all-gather the fitness."""
+    from essa.dist import shard
+    from essa.rewards import fitness_from_rewards
+
+    idx = _minibatch(len(train), cfg.data.batch_size, cfg.run.seed, g)
+    prompts = [train_prompts[i] for i in idx]
+    answers = [train[i].answer for i in idx]
+    mine = shard(len(population), comm.rank, comm.world_size)
+    texts = evaluator.completions(population[mine], prompts, seed=cfg.run.seed * 100_003 + g)
+    local = np.array([fitness_from_rewards(reward(t, answers, prompts)) for t in texts])
+    return comm.allgather_fitness(local)  # (P,) float64: the only data crossing ranks
 
 
 def _adapter_on_every_rank(
