@@ -11,9 +11,6 @@ into place, so a reader never sees a half-written adapter.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +19,7 @@ import numpy as np
 import torch
 
 from essa.adapters.svd import SVDAdapter
+from essa.rundir import atomic_dir
 from essa.types import AdapterVector
 
 MANIFEST_NAME = "essa_manifest.json"
@@ -59,17 +57,10 @@ def export_peft(
     }
 
     out_dir = Path(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex}"
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out_dir) as tmp:  # the old directory stays until the new one is complete
         config.save_pretrained(str(tmp))
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-        _fsync_tree(tmp)
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -105,25 +96,3 @@ def _lora_config(
         task_type="CAUSAL_LM",
         base_model_name_or_path=base_model_name_or_path,
     )
-
-
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.iterdir():
-        with open(path, "rb") as handle:
-            os.fsync(handle.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_dir(tmp: Path, out_dir: Path) -> None:
-    """Rename ``tmp`` onto ``out_dir``; an existing directory is moved aside first."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex}"
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
