@@ -70,6 +70,8 @@ def smollm2_checkpoint(cache: Path) -> Path | None:
     model, tokenizer = load_model(ModelConfig(name_or_path=str(source), gguf_file=GGUF))
     plain = type(model)(model.config)  # save_pretrained refuses a GGUF-loaded model
     plain.load_state_dict(model.state_dict())
+    if hasattr(plain.config, "quantization_config"):  # the GGUF's; the copy is plain fp32
+        del plain.config.quantization_config
     plain.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -119,10 +121,8 @@ def run_mode(
     return row
 
 
-def in_process(
-    model_path: str, repeats: int, shape: tuple[int, int]
-) -> tuple[dict[str, int], dict[str, float]]:
-    """Per mode: bytes of the layers int4 quantises, and batched evaluation tokens/s.
+def in_process(model_path: str, repeats: int, shape: tuple[int, int]) -> dict[str, Any]:
+    """Per mode: model bytes, bytes of the layers int4 quantises, batched evaluation tokens/s.
 
     Throughput is measured on all three models loaded side by side, interleaved (none, int8,
     int4, none, ...) and reported as the median, so load from other processes on a shared
@@ -148,6 +148,7 @@ def in_process(
         mode: sum(model_bytes(model.get_submodule(n)) for n in names)
         for mode, (model, _) in loaded.items()
     }
+    total_bytes = {mode: model_bytes(model) for mode, (model, _) in loaded.items()}
     peft_model = make_lora_model(loaded["none"][0], AdapterConfig(rank=8, lora_alpha=16))
     gen = torch.Generator().manual_seed(0)
     for name, param in peft_model.named_parameters():
@@ -175,7 +176,11 @@ def in_process(
             speeds[mode].append(
                 (evaluator.stats.new_tokens - tokens) / (evaluator.stats.seconds - seconds)
             )
-    return layer_bytes, {mode: round(statistics.median(v), 1) for mode, v in speeds.items()}
+    return {
+        "model_bytes": total_bytes,
+        "quantised_layer_bytes": layer_bytes,
+        "eval_tokens_per_second": {m: round(statistics.median(v), 1) for m, v in speeds.items()},
+    }
 
 
 def table(rows: list[dict[str, Any]], measured: dict[str, dict[str, Any]]) -> str:
@@ -202,7 +207,8 @@ def table(rows: list[dict[str, Any]], measured: dict[str, dict[str, Any]]) -> st
             f"{len(group)} seed{'s' if len(group) > 1 else ''}) "
             f"| {statistics.mean(deltas):+.1f} ({', '.join(f'{d:+.1f}' for d in deltas)}) "
             f"| {max(r['peak_rss_mb'] for r in group):.0f} "
-            f"| {group[0]['model_bytes'] / 2**20:.2f} MiB | {layer[mode] / layer['none']:.3f} "
+            f"| {measured[name]['model_bytes'][mode] / 2**20:.2f} MiB "
+            f"| {layer[mode] / layer['none']:.3f} "
             f"| {measured[name]['eval_tokens_per_second'][mode]:.0f} "
             f"| {statistics.mean(r['command_wall_seconds'] for r in group):.0f} |"
         )
@@ -239,8 +245,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     measured: dict[str, dict[str, Any]] = {}
     for name, (path, settings, shape) in models.items():
-        layer_bytes, speeds = in_process(path, args.repeats, shape)
-        measured[name] = {"quantised_layer_bytes": layer_bytes, "eval_tokens_per_second": speeds}
+        measured[name] = in_process(path, args.repeats, shape)
         print(f"{name} in-process: {json.dumps(measured[name])}", flush=True)
         for seed in args.seeds:
             for mode in MODES:

@@ -49,10 +49,23 @@ def model_bytes(module: nn.Module) -> int:
         add(tensor)
         quant_state = getattr(tensor, "quant_state", None)  # bnb Params4bit
         if quant_state is not None:
-            for value in quant_state.as_dict().values():
+            for value in _quant_state_tensors(quant_state):
                 add(value)
         add(getattr(tensor, "SCB", None))  # bnb Int8Params: one float32 scale per row
     return total
+
+
+def _quant_state_tensors(quant_state: Any) -> list[Any]:
+    """The live tensors of a bnb QuantState: block scales, code book, and their nested level.
+
+    Read from the attributes, not ``as_dict()``, which clones the nested code book: a freed
+    clone's address can be reused by the next one and would then be skipped as "seen".
+    """
+    tensors = [quant_state.absmax, quant_state.code, getattr(quant_state, "offset", None)]
+    nested = getattr(quant_state, "state2", None)
+    if nested is not None:
+        tensors += [nested.absmax, nested.code]
+    return tensors
 
 
 def memory_metrics(base_model_bytes: int) -> dict[str, float | int]:
