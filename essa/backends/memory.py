@@ -17,7 +17,19 @@ from torch import nn
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set size in MiB (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    """This process's peak resident set size in MiB.
+
+    Linux: VmHWM of /proc/self/status. ru_maxrss is not used there because the kernel carries
+    it over from the parent through fork and exec: a run started by a process holding 800 MB
+    would report at least 800 MB. Elsewhere ru_maxrss (KiB, or bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 2**10, 1)  # "VmHWM:  123456 kB"
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
