@@ -197,6 +197,7 @@ def test_qlora_sft_after_no_grad_eval(tiny_model_dir: Path, mode: str, repacked:
 
 
 @needs_bnb
+@pytest.mark.parametrize("quantized", ["int4"], indirect=True)  # export reads only the SVD factors
 def test_export_from_int4_loads_on_fp32_base(quantized, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The exported candidate is a plain PEFT LoRA: on the fp32 base it adds gamma·B'A'."""
     from peft import PeftModel
@@ -204,9 +205,7 @@ def test_export_from_int4_loads_on_fp32_base(quantized, tmp_path: Path) -> None:
     from essa.adapters import merged_candidate
     from essa.backends.hf import load_model
 
-    mode, model, tokenizer, adapter, population = quantized
-    if mode != "int4":
-        pytest.skip("one quantised mode suffices: export reads only the SVD factors")
+    _, model, tokenizer, adapter, population = quantized
     out = adapter.export_peft(population[0], tmp_path / "adapter", base_model_name_or_path="x")
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA"
