@@ -68,8 +68,10 @@ def guarded(fn: F) -> F:
         except (typer.Exit, typer.Abort):
             raise
         except _user_errors() as err:
-            abort_all_ranks(f"error: {err}", 2)  # returns only outside a multi-rank MPI job
-            typer.echo(f"error: {err}", err=True)
+            # One line, even when the message quotes user text with line breaks in it.
+            text = str(err).replace("\r", "\\r").replace("\n", "\\n")
+            abort_all_ranks(f"error: {text}", 2)  # returns only outside a multi-rank MPI job
+            typer.echo(f"error: {text}", err=True)
             raise typer.Exit(2) from None
         except Exception:
             abort_all_ranks(traceback.format_exc().rstrip(), 1)
@@ -137,6 +139,10 @@ def train(
         directory = run_dir or Path(cfg.run.dir)
     if comm.rank == 0:  # the others wait: rank 0 alone creates, checks or replaces it
         prepare_run_dir(directory, resume=resume is not None, overwrite=overwrite)
+        if resume is None:  # at once, so that a kill at any later moment can be resumed
+            from essa.rundir import atomic_write_text
+
+            atomic_write_text(directory / "config.yaml", dump_config(cfg))
     comm.barrier()
     if cfg.algorithm == "essa":
         from essa.recipes import essa_es
@@ -162,7 +168,7 @@ def sft(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory")] = False,
     run_dir: Annotated[Path | None, typer.Option(help="Run directory (overrides run.dir)")] = None,
 ) -> None:
-    """Train the SFT LoRA adapter only; saves RUN_DIR/sft_adapter."""
+    """Train the SFT LoRA adapter only (RUN_DIR/sft_adapter); full/LISA: RUN_DIR/sft_model."""
     from essa.backends.hf import load_model
     from essa.recipes.common import load_or_train_adapter, load_task, seed_everything
     from essa.rundir import prepare_run_dir
@@ -177,6 +183,13 @@ def sft(
     seed_everything(cfg.run.seed)
     task = load_task(cfg.data, cfg.run.seed)
     model, tokenizer = load_model(cfg.model)
+    if cfg.sft.trainable != "lora":
+        from essa.recipes.lisa import train_base_model
+
+        model_dir, losses = train_base_model(cfg, model, tokenizer, task, directory)
+        typer.echo(f"SFT ({cfg.sft.trainable}): loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        typer.echo(f"SFT model: {model_dir}")
+        return
     _, adapter_dir = load_or_train_adapter(cfg, model, tokenizer, task, directory, _console())
     typer.echo(f"SFT adapter: {adapter_dir}")
 
@@ -208,13 +221,13 @@ def evaluate(
     task = load_task(cfg.data, cfg.run.seed)
     model, tokenizer = load_model(cfg.model)
     if adapter is not None:
-        from peft import PeftModel
-
         if not (adapter / "adapter_config.json").exists():
             raise UserError(
                 f"--adapter {adapter}: not a PEFT adapter directory (no adapter_config.json)"
             )
-        model = PeftModel.from_pretrained(model, str(adapter)).eval()
+        from essa.recipes.common import load_peft_adapter
+
+        model = load_peft_adapter(model, str(adapter), "--adapter").eval()
     result = {
         **_sample_metrics(cfg, model, tokenizer, task.test, samples),
         "n": len(task.test),
@@ -288,7 +301,7 @@ def config_validate(paths: Annotated[list[Path], typer.Argument(help="Config fil
             load_config(path)
             typer.echo(f"ok: {path}")
         except ConfigError as err:
-            typer.echo(f"error: {err}", err=True)
+            typer.echo(f"error: {str(err).replace(chr(10), chr(92) + 'n')}", err=True)
             bad += 1
     if bad:
         raise typer.Exit(2)

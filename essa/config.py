@@ -9,6 +9,7 @@ whose message names the file, the line and the dotted key path, e.g.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -49,6 +50,25 @@ class AdapterConfig:
 
 
 @dataclass(frozen=True)
+class LisaConfig:
+    """Gradient LISA (Pan et al., arXiv 2403.17919): gamma sampled blocks train per interval."""
+
+    active_layers: int = 2  # gamma (LMFlow's default)
+    interval: int = 20  # K optimizer steps between re-samplings (LMFlow's default)
+    train_embeddings: bool = True  # the input embedding stays trainable ("E+H always on")
+    train_head: bool = True  # the LM head stays trainable (tied to the embedding: counted once)
+
+
+@dataclass(frozen=True)
+class LayerwiseConfig:
+    """Layerwise ES: search only the singular values of sampled layers, block by block."""
+
+    active_layers: int | None = None  # layers searched per block; None searches all (plain ESSA)
+    interval: int = 20  # generations per block
+    use_carried_sigma: bool = False  # a new block starts at sigma0 (False) or the last sigma
+
+
+@dataclass(frozen=True)
 class SFTConfig:
     steps: int = 4  # optimizer steps (the demo's SFT is deliberately short: a weak start)
     batch_size: int = 100
@@ -56,6 +76,8 @@ class SFTConfig:
     weight_decay: float = 0.0
     max_length: int = 256  # tokens of prompt + solution
     lr_warmup_steps: int = 0
+    trainable: Literal["lora", "full", "lisa"] = "lora"  # full/lisa train the base weights
+    lisa: LisaConfig = field(default_factory=LisaConfig)  # trainable: lisa only
 
 
 @dataclass(frozen=True)
@@ -68,6 +90,7 @@ class OptimizerConfig:
     sep_above_dim: int = 2000  # cma_es: diagonal covariance above this dimension when auto
     lr: float = 0.1  # openai_es step size
     step: Literal["adam", "sgd"] = "adam"  # openai_es step rule
+    layerwise: LayerwiseConfig = field(default_factory=LayerwiseConfig)
 
 
 @dataclass(frozen=True)
@@ -89,6 +112,9 @@ class DataConfig:
 class RewardConfig:
     name: str = "math_accuracy"  # a registered reward or module:function
     params: dict[str, Any] = field(default_factory=dict)
+    # Wall-clock bound per call of a custom (module:function) reward; a call that misses it
+    # scores None for its items (NaN fitness). Built-in rewards bound themselves. null: no bound.
+    timeout_seconds: float | None = 60.0
 
 
 @dataclass(frozen=True)
@@ -138,13 +164,31 @@ class GRPOConfig:
     lr_warmup_steps: int = 0
     max_grad_norm: float = 1.0  # 0: no clipping
     grad_accumulation: int = 1  # micro-batches per optimizer step (memory only: same update)
-    trainable: Literal["lora", "singular_values"] = "lora"  # singular_values: SVD-GRPO ablation
+    trainable: Literal["lora", "singular_values", "lisa"] = "lora"  # singular_values: SVD-GRPO
+    lisa: LisaConfig = field(default_factory=LisaConfig)  # trainable: lisa (SFT LoRA merged first)
     overlong_buffer: int = 0  # DAPO soft overlong punishment L_cache in tokens (0: off)
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    """Engine options of ``backend: vllm`` (docs/vllm.md); ignored by the HF backend."""
+
+    tensor_parallel_size: int = 1  # GPUs per engine (one engine per MPI rank)
+    gpu_memory_utilization: float = 0.85  # fraction of GPU memory vLLM may take
+    max_loras: int | None = None  # candidate adapters per batch (None: the rank's population)
+    max_lora_rank: int | None = None  # None: the adapter's rank rounded up to vLLM's sizes
+    max_model_len: int | None = None  # None: the model's own limit
+    quantization: str | None = None  # vLLM's name: awq, gptq, fp8, compressed-tensors, ...
+    kv_cache_space_gb: int | None = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    enforce_eager: bool = False  # no CUDA graphs / torch.compile (faster start, slower decode)
+    enable_prefix_caching: bool = True  # reuse KV blocks of shared prompt prefixes
+    max_num_seqs: int | None = None  # sequences per engine step (None: vLLM's default)
 
 
 @dataclass(frozen=True)
 class Config:
     algorithm: Literal["essa", "grpo"] = "essa"
+    backend: Literal["hf", "vllm"] = "hf"  # evaluation backend of the ESSA recipe
     model: ModelConfig = field(default_factory=ModelConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -155,6 +199,7 @@ class Config:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     run: RunConfig = field(default_factory=RunConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,10 +264,16 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         return value
     if tp is float:
         if isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
-            return float(value)  # YAML 1.1 reads "3e-4" (no dot) as a string
+            value = float(value)  # YAML 1.1 reads "3e-4" (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer too large for a float
+            number = math.inf
+        if not math.isfinite(number):  # .nan would slip through every range check
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {value!r}")
@@ -264,7 +315,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, raw = text.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         value = raw
     return key.strip().split("."), value
 
@@ -288,9 +339,13 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     data: Any = {}
     if path is not None:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as err:
             raise ConfigError(f"{source}: cannot read config: {err.strerror}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(
+                f"{source}: not a UTF-8 text file (byte {err.start}: {err.reason})"
+            ) from None
         try:
             node = yaml.compose(text)
             data = yaml.safe_load(text)
@@ -299,6 +354,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
             line = f":{mark.line + 1}" if mark is not None else ""
             problem = getattr(err, "problem", None) or "invalid YAML"
             raise ConfigError(f"{source}{line}: invalid YAML: {problem}") from None
+        except RecursionError:  # PyYAML composes nested collections recursively
+            raise ConfigError(f"{source}: invalid YAML: nested too deeply") from None
         if node is not None:
             _line_map(node, "", lines)
         data = {} if data is None else data
@@ -348,6 +405,8 @@ def check_values(cfg: Config) -> None:
     for key, value in nonneg.items():
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
+    if cfg.reward.timeout_seconds is not None and not cfg.reward.timeout_seconds > 0:
+        raise ConfigError(f"reward.timeout_seconds: must be > 0, got {cfg.reward.timeout_seconds}")
     if not 0.0 < cfg.adapter.alpha <= 1.0:
         raise ConfigError(f"adapter.alpha: must be in (0, 1], got {cfg.adapter.alpha}")
     if int(cfg.adapter.alpha * cfg.adapter.rank) == 0 and cfg.adapter.path is None:
@@ -373,6 +432,67 @@ def check_values(cfg: Config) -> None:
             f"model.quantization={cfg.model.quantization} weights; use batched or auto"
         )
     _check_grpo(cfg.grpo, cfg.generation.max_new_tokens)
+    _check_layer_sampling(cfg)
+    _check_vllm(cfg)
+
+
+# Recent vLLM releases dropped these (infra §3.5); any other name is checked by vLLM itself.
+VLLM_DROPPED_QUANTIZATION = ("bitsandbytes", "bnb", "gguf")
+
+
+def _check_vllm(cfg: Config) -> None:
+    v = cfg.vllm
+    if cfg.backend != "vllm":
+        return
+    if cfg.algorithm != "essa":
+        raise ConfigError(
+            f"backend: vllm evaluates ESSA populations only; algorithm {cfg.algorithm} "
+            "needs backend: hf"
+        )
+    if cfg.model.quantization != "none":
+        raise ConfigError(
+            f"model.quantization: {cfg.model.quantization} is bitsandbytes (HF backend only); "
+            "vLLM dropped bitsandbytes: with backend: vllm use a pre-quantised AWQ/GPTQ/FP8 "
+            "checkpoint and vllm.quantization"
+        )
+    if cfg.model.gguf_file:
+        raise ConfigError("model.gguf_file: GGUF checkpoints need backend: hf")
+    if v.quantization in VLLM_DROPPED_QUANTIZATION:
+        raise ConfigError(
+            f"vllm.quantization: {v.quantization} is gone from recent vLLM; INT4 on vLLM means "
+            "a pre-quantised AWQ/GPTQ checkpoint (or fp8, compressed-tensors)"
+        )
+    if not 0.0 < v.gpu_memory_utilization <= 1.0:
+        raise ConfigError(
+            f"vllm.gpu_memory_utilization: must be in (0, 1], got {v.gpu_memory_utilization}"
+        )
+    positive = {
+        "vllm.tensor_parallel_size": v.tensor_parallel_size,
+        "vllm.max_loras": v.max_loras,
+        "vllm.max_lora_rank": v.max_lora_rank,
+        "vllm.max_model_len": v.max_model_len,
+        "vllm.kv_cache_space_gb": v.kv_cache_space_gb,
+        "vllm.max_num_seqs": v.max_num_seqs,
+    }
+    for key, value in positive.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {value}")
+
+
+def _check_layer_sampling(cfg: Config) -> None:
+    """LISA and layerwise ES: counts >= 1 here; active_layers <= the model's layers at run time."""
+    checks = {
+        "sft.lisa.active_layers": cfg.sft.lisa.active_layers,
+        "sft.lisa.interval": cfg.sft.lisa.interval,
+        "grpo.lisa.active_layers": cfg.grpo.lisa.active_layers,
+        "grpo.lisa.interval": cfg.grpo.lisa.interval,
+        "optimizer.layerwise.interval": cfg.optimizer.layerwise.interval,
+    }
+    if cfg.optimizer.layerwise.active_layers is not None:
+        checks["optimizer.layerwise.active_layers"] = cfg.optimizer.layerwise.active_layers
+    for key, value in checks.items():
+        if value < 1:
+            raise ConfigError(f"{key}: must be >= 1, got {value}")
 
 
 def _check_grpo(g: GRPOConfig, max_new_tokens: int) -> None:

@@ -16,7 +16,7 @@ SHIPPED = sorted(ROOT.glob("configs/**/*.yaml"))
 
 def test_shipped_configs_found_and_valid() -> None:
     # Recursive glob with an asserted count, so a moved or skipped file is noticed.
-    assert len(SHIPPED) == 5, [str(p) for p in SHIPPED]
+    assert len(SHIPPED) == 6, [str(p) for p in SHIPPED]
     for path in SHIPPED:
         load_config(path)
 
@@ -132,7 +132,7 @@ def test_cli_validate_shipped_and_bad(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert res.stderr.strip() == (
         f"error: {bad}:2: optimizer.popsize: unknown key (known: name, population_size, sigma0, "
-        "use_relative_steps, variant, sep_above_dim, lr, step)"
+        "use_relative_steps, variant, sep_above_dim, lr, step, layerwise)"
     )
 
 

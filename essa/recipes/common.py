@@ -96,7 +96,6 @@ def load_or_train_adapter(
     cfg: Config, model: Any, tokenizer: Any, task: Task, run_dir: Path, console: Any = None
 ) -> tuple[Any, str]:
     """Return (peft_model, adapter_dir): the configured adapter, a saved SFT one, or a new SFT."""
-    from peft import PeftModel
 
     from essa.recipes.sft import check_target_modules, make_lora_model, save_adapter, train_sft
 
@@ -110,7 +109,12 @@ def load_or_train_adapter(
             )
         targets = _adapter_targets(Path(path))
         check_target_modules(model, targets)
-        return PeftModel.from_pretrained(model, path), path
+        return load_peft_adapter(model, path, "adapter.path"), path
+    if cfg.sft.trainable != "lora":
+        raise UserError(
+            f"sft.trainable: {cfg.sft.trainable} trains the base weights, but this stage needs a "
+            "LoRA SFT adapter; use sft.trainable=lora here (`essa sft` alone trains full/LISA)"
+        )
     peft_model = make_lora_model(model, cfg.adapter)
     prompts = render_prompts(task.sft, cfg.data.template, tokenizer)
     losses = train_sft(peft_model, tokenizer, task.sft, prompts, cfg.sft, cfg.run.seed)
@@ -121,6 +125,23 @@ def load_or_train_adapter(
         )
     out = save_adapter(peft_model, run_dir / "sft_adapter")
     return peft_model, str(out)
+
+
+def load_peft_adapter(model: Any, path: str, key: str) -> Any:
+    """``PeftModel.from_pretrained`` with load failures as one-line UserErrors naming ``key``.
+
+    PEFT reads adapter_model.safetensors, or unpickles adapter_model.bin with
+    ``weights_only=True`` (tensors only): a pickle that would run code is refused here.
+    """
+    import pickle
+
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, path)
+    except (OSError, ValueError, pickle.UnpicklingError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"{key}: cannot load the adapter in {path}: {first}") from None
 
 
 def _adapter_targets(path: Path) -> list[str]:

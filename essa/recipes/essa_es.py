@@ -27,7 +27,7 @@ import numpy as np
 from essa.config import Config, dump_config
 from essa.dist import Comm
 from essa.errors import UserError
-from essa.rundir import MetricsLog, atomic_write_json, recover
+from essa.rundir import MetricsLog, StorageError, atomic_write_json, atomic_write_text, recover
 from essa.types import AdapterVector, Example
 
 
@@ -49,7 +49,6 @@ def run(
     from essa.backends.hf import load_model
     from essa.backends.memory import memory_metrics, model_bytes
     from essa.dist import any_rank, check_replicas, get_comm, place_rank
-    from essa.optimizers import make_optimizer
     from essa.recipes.common import (
         load_task,
         render_prompts,
@@ -60,13 +59,17 @@ def run(
     comm = get_comm() if comm is None else comm
     is_root = comm.rank == 0
     console = console if is_root else None  # one progress bar, one set of messages
+    if is_root and not resume:  # first, so that a kill at any later moment can be resumed
+        atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
     seed_everything(cfg.run.seed)
     task = load_task(cfg.data, cfg.run.seed)
     reward = _load_reward(cfg)
+    if cfg.backend == "vllm":
+        from essa.backends.vllm import require_vllm
+
+        require_vllm()  # before the model loads and SFT runs
     model, tokenizer = load_model(place_rank(cfg.model, comm))
     base_bytes = model_bytes(model)  # the base weights as stored (quantised ones packed)
-    if is_root and not resume:
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
     peft_model, sft_dir = _adapter_on_every_rank(
         cfg, model, tokenizer, task, run_dir, console, comm
     )
@@ -75,7 +78,11 @@ def run(
     except ValueError as err:  # e.g. alpha * r selects no singular value of a given adapter
         raise UserError(f"adapter: {err}") from None
     model = peft_model.unload()  # the base; candidates are applied by the evaluator
-    evaluator = PopulationEvaluator(model, tokenizer, adapter, cfg.generation, cfg.evaluation)
+    if cfg.backend == "vllm":
+        del model, peft_model  # the engine loads its own copy of the base: free this one first
+        evaluator = _vllm_evaluator(cfg, tokenizer, adapter, comm)
+    else:
+        evaluator = PopulationEvaluator(model, tokenizer, adapter, cfg.generation, cfg.evaluation)
     train_prompts = render_prompts(task.train, cfg.data.template, tokenizer)
     test_prompts = render_prompts(task.test, cfg.data.template, tokenizer)
 
@@ -84,16 +91,7 @@ def run(
             return float("nan")  # rank 0 alone reports it; it never feeds back into training
         return _accuracy(evaluator, vector, task.test, test_prompts)
 
-    stds = adapter.stds() if cfg.optimizer.use_relative_steps else None
-    opt = make_optimizer(
-        cfg.optimizer.name,
-        adapter.dim,
-        population_size=cfg.optimizer.population_size,
-        sigma0=cfg.optimizer.sigma0,
-        seed=cfg.run.seed,
-        stds=stds,
-        **_optimizer_options(cfg),
-    )
+    opt = _make_optimizer(cfg, adapter)
     metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=is_root)
     state = _load_checkpoint(run_dir, opt) if resume else None
     if state is None:
@@ -124,9 +122,12 @@ def run(
             bytes_before = comm.comm_bytes
             tokens_before = evaluator.stats.new_tokens
             population = opt.ask()  # (P, D), identical on every rank
+            faults_before = _fault_counts(reward, evaluator)
             fitness = _fitness(
                 cfg, g, population, evaluator, task.train, train_prompts, reward, comm
             )
+            faults = _fault_delta(faults_before, _fault_counts(reward, evaluator))
+            _check_generation(g, fitness, faults, reward.name)
             opt_metrics = opt.tell(population, fitness)
             check_replicas(comm, opt, g)  # every rank must now hold the same state
             _track_best(state, population, fitness)
@@ -140,14 +141,22 @@ def run(
                 evaluator,
             )
             record.update(world_size=comm.world_size, comm_bytes=comm.comm_bytes - bytes_before)
+            record.update(faults)
             if cfg.evaluation.every and (g + 1) % cfg.evaluation.every == 0:
                 record["heldout_accuracy"] = heldout(opt.mean)
             state["elapsed"] = elapsed_before + time.perf_counter() - wall_start
             # Metrics first: a kill between the two writes redoes generation g on resume,
             # which drops and rewrites its record; the other order could lose the record.
-            metrics.write(record)
-            if is_root:
-                _save_checkpoint(run_dir, opt, state)
+            try:
+                metrics.write(record)
+                if is_root:
+                    _save_checkpoint(run_dir, opt, state)
+            except StorageError as err:
+                kept = f"the last checkpoint ({g} generations done)" if g else "no checkpoint yet"
+                raise StorageError(
+                    f"{err}; stopped, {kept} intact; free space and continue with: "
+                    f"essa train --resume {run_dir}"
+                ) from None
             advance(record)
             if interrupt.signum is not None:
                 _say(
@@ -170,13 +179,35 @@ def run(
     return _finish(cfg, run_dir, adapter, opt, state, heldout, sft_dir, wall_start, console)
 
 
+def _vllm_evaluator(cfg: Config, tokenizer: Any, adapter: Any, comm: Comm) -> Any:
+    """backend: vllm: one engine per rank, one LoRA slot per candidate of this rank's shard."""
+    import gc
+
+    import torch
+
+    from essa.backends.hf import resolve_model_path
+    from essa.backends.vllm import VLLMEvaluator
+
+    gc.collect()  # the HF copy of the base (SFT, SVD) must be gone before vLLM sizes its memory
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    slots = -(-cfg.optimizer.population_size // comm.world_size)  # the largest shard
+    path = resolve_model_path(cfg.model.name_or_path)
+    return VLLMEvaluator(cfg, adapter, tokenizer, path, slots=slots)
+
+
 def _load_reward(cfg: Config) -> Any:
     from essa.rewards import get_reward
+    from essa.rewards.deadline import with_deadline
 
     try:
         reward = get_reward(cfg.reward.name, **cfg.reward.params)
     except (ValueError, ImportError) as err:
         raise UserError(f"reward.name: {err}") from None
+    if ":" in cfg.reward.name and cfg.reward.timeout_seconds is not None:
+        reward = with_deadline(reward, cfg.reward.timeout_seconds)  # custom code may hang
+    if cfg.backend == "vllm" and not reward.is_group and reward.needs == {"completion_logprobs"}:
+        return reward  # the vLLM backend returns the sampled tokens' log-probs (_scores)
     if reward.is_group or reward.needs:
         # Greedy ESSA yields one completion per (candidate, prompt), and ranks hold only their
         # own candidates' completions, so there is no group to vote in and no log-prob hook yet.
@@ -230,8 +261,56 @@ def _fitness(
     answers = [train[i].answer for i in idx]
     mine = shard(len(population), comm.rank, comm.world_size)
     texts = evaluator.completions(population[mine], prompts, seed=cfg.run.seed * 100_003 + g)
-    local = np.array([fitness_from_rewards(reward(t, answers, prompts)) for t in texts])
+    scores = _scores(reward, evaluator, texts, answers, prompts)
+    local = np.array([fitness_from_rewards(s) for s in scores])
+    local[evaluator.nonfinite] = np.nan  # NaN/inf logits: graded text would be garbage
+    local[~np.isfinite(local)] = np.nan  # +-inf fitness is a failed evaluation too
     return comm.allgather_fitness(local)  # (P,) float64: the only data crossing ranks
+
+
+def _scores(
+    reward: Any, evaluator: Any, texts: list[list[str]], answers: list[Any], prompts: list[str]
+) -> list[list[float | None]]:
+    """Per candidate, the reward of each completion; log-prob rewards take the backend's."""
+    if not reward.needs:
+        return [reward(t, answers, prompts) for t in texts]
+    return [
+        reward.score_with_logprobs(t, answers, prompts, logprobs)
+        for t, logprobs in zip(texts, evaluator.last_logprobs, strict=True)
+    ]
+
+
+def _fault_counts(reward: Any, evaluator: Any) -> dict[str, int]:
+    """Running fault counters of this rank (reward timeouts and errors, non-finite logits)."""
+    stats = reward.stats.as_dict()
+    return {
+        "reward_timeouts": stats["n_timeout"],
+        "reward_errors": stats["n_error"],
+        "nonfinite_candidates": int(evaluator.nonfinite.sum()),
+    }
+
+
+def _fault_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    delta = {key: after[key] - before[key] for key in ("reward_timeouts", "reward_errors")}
+    delta["nonfinite_candidates"] = after["nonfinite_candidates"]  # a per-call count already
+    return delta
+
+
+def _check_generation(g: int, fitness: np.ndarray, faults: dict[str, int], reward: str) -> None:
+    """Stop with one clear line when every candidate of generation g failed (NaN fitness).
+
+    Nothing is told to the optimizer, so the last checkpoint stays the state to resume from.
+    Every rank sees the same gathered fitness and stops together. The counts are this rank's.
+    """
+    if not np.all(np.isnan(fitness)):
+        return
+    raise UserError(
+        f"generation {g}: all {fitness.size} candidates failed (NaN fitness): reward "
+        f"{reward!r} timed out on {faults['reward_timeouts']} and failed on "
+        f"{faults['reward_errors']} items, {faults['nonfinite_candidates']} candidates had "
+        "non-finite logits; fix the reward or reward.timeout_seconds and resume with "
+        "essa train --resume"
+    )
 
 
 def _adapter_on_every_rank(
@@ -261,6 +340,44 @@ def _adapter_on_every_rank(
             )
         loaded = load_or_train_adapter(cfg, model, tokenizer, task, run_dir, None)
     return loaded
+
+
+def _make_optimizer(cfg: Config, adapter: Any) -> Any:
+    """The configured optimizer over the adapter's D offsets, layerwise when configured."""
+    from essa.optimizers import make_optimizer
+
+    o = cfg.optimizer
+    stds = adapter.stds() if o.use_relative_steps else None
+    common = {
+        "population_size": o.population_size,
+        "sigma0": o.sigma0,
+        "seed": cfg.run.seed,
+        "stds": stds,
+        **_optimizer_options(cfg),
+    }
+    if o.layerwise.active_layers is None:
+        return make_optimizer(o.name, adapter.dim, **common)
+    from essa.adapters.layerwise import layer_blocks
+    from essa.optimizers.layerwise import LayerwiseES
+
+    try:
+        blocks = layer_blocks(adapter.manifest())
+    except ValueError as err:
+        raise UserError(f"optimizer.layerwise: {err}") from None
+    if o.layerwise.active_layers > len(blocks):
+        raise UserError(
+            f"optimizer.layerwise.active_layers: must be in 1..{len(blocks)} (the adapter's "
+            f"layers), got {o.layerwise.active_layers}"
+        )
+    return LayerwiseES(
+        adapter.dim,
+        layer_indices=blocks,
+        active_layers=o.layerwise.active_layers,
+        interval=o.layerwise.interval,
+        base=o.name,
+        use_carried_sigma=o.layerwise.use_carried_sigma,
+        **common,
+    )
 
 
 def _optimizer_options(cfg: Config) -> dict[str, Any]:
@@ -293,7 +410,7 @@ def _scale_baseline(
     reward: Any,
     seed: int,
     heldout: Any,
-) -> dict[str, float]:
+) -> dict[str, float] | None:
     """The no-search baseline: the SFT adapter scaled by the factor best on training prompts."""
     from essa.rewards import fitness_from_rewards
 
@@ -303,7 +420,9 @@ def _scale_baseline(
     answers = [train[i].answer for i in idx]
     population = np.stack([scale_vector(adapter, f) for f in SCALE_FACTORS])  # (8, D)
     texts = evaluator.completions(population, batch)
-    fitness = [fitness_from_rewards(reward(t, answers, batch)) for t in texts]
+    fitness = [fitness_from_rewards(s) for s in _scores(reward, evaluator, texts, answers, batch)]
+    if np.all(np.isnan(fitness)):  # the reward failed everywhere: no baseline to report
+        return None
     best = int(np.nanargmax(fitness))
     return {
         "factor": SCALE_FACTORS[best],
@@ -371,7 +490,13 @@ def _generation_record(
 
 
 def _save_checkpoint(run_dir: Path, opt: Any, state: dict[str, Any]) -> None:
-    atomic_write_json(run_dir / "checkpoint.json", {"optimizer": opt.state_dict(), **state})
+    from essa.faults import checkpoint_fault
+
+    atomic_write_json(
+        run_dir / "checkpoint.json",
+        {"optimizer": opt.state_dict(), **state},
+        before_rename=checkpoint_fault(opt.generation),  # None unless ESSA_FAULT is set (tests)
+    )
 
 
 def _load_checkpoint(run_dir: Path, opt: Any) -> dict[str, Any] | None:
@@ -381,8 +506,17 @@ def _load_checkpoint(run_dir: Path, opt: Any) -> dict[str, Any] | None:
     path = run_dir / "checkpoint.json"
     if not path.exists():
         return None
-    data = json.loads(path.read_text())
-    opt.load_state_dict(data.pop("optimizer"))
+    try:
+        data = json.loads(path.read_text())
+        opt.load_state_dict(data.pop("optimizer"))
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
+        # Atomic writes never leave a torn checkpoint; this one was edited, damaged, or was
+        # written under another optimizer setting (--set on resume).
+        raise UserError(
+            f"{path}: cannot resume from this checkpoint ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else 'invalid'}); start a new run or "
+            "restore the file"
+        ) from None
     return data
 
 

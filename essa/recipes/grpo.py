@@ -10,7 +10,10 @@ Formulas and presets: essa/recipes/grpo_losses.py and ../shared/spec/grpo-family
 
 Trainable sets (``grpo.trainable``): ``lora`` continues training the SFT adapter's LoRA
 factors; ``singular_values`` trains only offsets to the SFT singular values, in exactly ESSA's
-search space (SVD-GRPO), and exports through the same SVD adapter.
+search space (SVD-GRPO), and exports through the same SVD adapter; ``lisa`` merges the SFT LoRA
+into the base and trains the base weights with LISA (essa/recipes/lisa.py: embedding, head and
+``grpo.lisa.active_layers`` sampled blocks, re-sampled every ``grpo.lisa.interval`` optimizer
+steps), exporting the whole model. There is no full-weight mode (``full``) in GRPO.
 
 Deviations from the papers:
 * log-probs (of the policy, the old policy and the reference) use logits divided by the
@@ -76,8 +79,8 @@ def run(
     if not resume:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     peft_model, sft_dir = load_or_train_adapter(cfg, model, tokenizer, task, run_dir, console)
-    policy = Policy.build(peft_model, g.trainable, cfg.adapter.alpha)
-    optimizer = torch.optim.AdamW(policy.params, lr=g.lr, weight_decay=g.weight_decay)
+    policy = Policy.build(peft_model, g.trainable, cfg.adapter.alpha, _beta(cfg) != 0.0)
+    optimizer = _make_optimizer(cfg, policy)
     data = _Data.build(task, cfg, tokenizer)
     metrics = MetricsLog(run_dir / "metrics.jsonl")
     state = _load_checkpoint(run_dir, policy, optimizer) if resume else None
@@ -121,6 +124,31 @@ def run(
     return _finish(cfg, run_dir, policy, tokenizer, data, state, sft_dir, wall_start, console)
 
 
+def _beta(cfg: Config) -> float:
+    """The KL coefficient in force: the config's, else the variant preset's."""
+    return losses.get_variant(cfg.grpo.loss).beta if cfg.grpo.beta is None else cfg.grpo.beta
+
+
+def _make_optimizer(cfg: Config, policy: Policy) -> Any:
+    """AdamW over the trainables, or LISA's AdamW that owns its layer groups."""
+    g = cfg.grpo
+    if g.trainable != "lisa":
+        return torch.optim.AdamW(policy.params, lr=g.lr, weight_decay=g.weight_decay)
+    from essa.recipes.lisa import LisaOptimizer
+
+    return LisaOptimizer(
+        policy.model,
+        active_layers=g.lisa.active_layers,
+        interval=g.lisa.interval,
+        seed=cfg.run.seed,
+        lr=g.lr,
+        weight_decay=g.weight_decay,
+        train_embeddings=g.lisa.train_embeddings,
+        train_head=g.lisa.train_head,
+        config_key="grpo.lisa",
+    )
+
+
 def _reward(cfg: Config) -> Any:
     from essa.rewards import get_reward
 
@@ -150,10 +178,19 @@ class Policy:
     svd: Any = None  # SVDAdapter when trainable == singular_values
 
     @classmethod
-    def build(cls, peft_model: Any, trainable: str, alpha: float) -> Policy:
+    def build(
+        cls, peft_model: Any, trainable: str, alpha: float, use_reference: bool = True
+    ) -> Policy:
         for param in peft_model.parameters():
             param.requires_grad_(False)
         svd = None
+        if trainable == "lisa":
+            # Every base weight may train; LisaOptimizer sets requires_grad per interval. The
+            # KL reference (a full copy of the weights) is kept only when beta != 0.
+            peft_model = peft_model.merge_and_unload()
+            params = list(peft_model.parameters())  # tied weights appear once
+            reference = [p.detach().clone() for p in params] if use_reference else []
+            return cls(peft_model.eval(), params, reference, None)
         if trainable == "lora":
             params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
         else:
@@ -657,9 +694,10 @@ def _save_checkpoint(
             tensors[f"exp_avg.{i}"] = moments["exp_avg"].cpu().contiguous()
             tensors[f"exp_avg_sq.{i}"] = moments["exp_avg_sq"].cpu().contiguous()
         adam_steps.append(float(moments["step"]) if moments else 0.0)
+    extra = {"adam_steps": adam_steps, "lisa_steps": getattr(optimizer, "steps", None)}
     with atomic_dir(run_dir / "checkpoint") as tmp:
         save_file(tensors, str(tmp / "tensors.safetensors"))
-        (tmp / "state.json").write_text(json.dumps({**state, "adam_steps": adam_steps}))
+        (tmp / "state.json").write_text(json.dumps({**state, **extra}))
 
 
 def _load_checkpoint(
@@ -676,6 +714,9 @@ def _load_checkpoint(
     adam_steps = state.pop("adam_steps")
     if len(adam_steps) != len(policy.params):
         raise UserError(f"--resume {run_dir}: the checkpoint does not match this model/adapter")
+    lisa_steps = state.pop("lisa_steps", None)
+    if lisa_steps is not None:  # LISA: reactivate the saved interval's blocks before moments
+        optimizer.restore(lisa_steps)  # type: ignore[attr-defined]
     with torch.no_grad():
         for i, param in enumerate(policy.params):
             param.copy_(tensors[f"param.{i}"])
