@@ -8,14 +8,30 @@ Nothing read back from a run directory is executed: checkpoints are JSON and saf
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from essa.errors import UserError
+
+# Checked before training: a filesystem with less free space than this fails at once, with one
+# message, rather than at the first checkpoint or adapter export.
+MIN_FREE_BYTES = 32 * 2**20
+
+
+class StorageError(UserError):
+    """The run directory cannot be written (read-only, full, gone); the last checkpoint is intact."""
+
+
+def storage_error(path: Path, err: OSError) -> StorageError:
+    reason = err.strerror or str(err)
+    if err.errno == errno.ENOSPC:
+        reason = "no space left on device"
+    return StorageError(f"cannot write {path}: {reason}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -27,18 +43,37 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(
+    path: Path, text: str, *, before_rename: Callable[[], None] | None = None
+) -> None:
+    """Write ``text`` to ``path`` through a synced temporary file and a rename.
+
+    On failure (full disk, read-only filesystem) the temporary file is removed, ``path`` keeps
+    its previous content and :class:`StorageError` names the file. ``before_rename`` is the
+    fault-injection point of :mod:`essa.faults` (tests only).
+    """
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename()
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise storage_error(path, err) from None
     _fsync_dir(path.parent)
 
 
-def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+def atomic_write_json(
+    path: Path, data: Any, *, before_rename: Callable[[], None] | None = None
+) -> None:
+    atomic_write_text(
+        path, json.dumps(data, indent=2, sort_keys=True) + "\n", before_rename=before_rename
+    )
 
 
 @contextlib.contextmanager
@@ -92,10 +127,22 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write-probe"
-        probe.write_text("ok")
+        with open(probe, "w") as f:
+            f.write("ok")
+            f.flush()
+            os.fsync(f.fileno())  # a full disk may only refuse the write when it is synced
         probe.unlink()
     except OSError as err:
-        raise UserError(f"run.dir {run_dir}: not writable ({err.strerror})") from None
+        with contextlib.suppress(OSError):
+            (run_dir / ".write-probe").unlink()
+        reason = "no space left on device" if err.errno == errno.ENOSPC else err.strerror
+        raise UserError(f"run.dir {run_dir}: not writable ({reason})") from None
+    free = shutil.disk_usage(run_dir).free
+    if free < MIN_FREE_BYTES:
+        raise UserError(
+            f"run.dir {run_dir}: only {free / 2**20:.1f} MiB free on its filesystem; "
+            f"checkpoints and the adapter need at least {MIN_FREE_BYTES // 2**20} MiB"
+        )
 
 
 class MetricsLog:
@@ -108,9 +155,12 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
-            f.flush()
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+                f.flush()
+        except OSError as err:  # a torn last line is dropped on resume (truncate_after)
+            raise storage_error(self.path, err) from None
 
     def truncate_after(self, generation: int) -> None:
         """On resume, drop records of generations past the checkpoint (they will be redone)."""

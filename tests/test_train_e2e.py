@@ -28,8 +28,10 @@ SMALL = [
 ]
 
 
-def essa(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def essa(
+    *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "essa.cli", *args],
         capture_output=True,
@@ -96,42 +98,84 @@ def test_existing_run_dir_is_not_overwritten(tmp_path: Path) -> None:
     assert (run_dir / "precious.txt").read_text() == "keep me"
 
 
+def _launch(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "essa.cli", "train", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+
+
+def _wait_for(proc: subprocess.Popen, ready, timeout: float = 300) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not ready():
+        time.sleep(0.02)
+
+
+def _checkpoint_generation(run_dir: Path) -> int:
+    path = run_dir / "checkpoint.json"
+    return json.loads(path.read_text())["optimizer"]["generation"] if path.exists() else 0
+
+
 @pytest.mark.slow
 def test_kill_and_resume_matches_uninterrupted(tmp_path: Path) -> None:
-    generations = ["run.generations=5"]
+    """kill -9 at three points (a seeded random moment of start-up, inside a checkpoint write,
+    between generations) and a full disk mid-run; every resume continues bit-exactly."""
+    import random
+
+    generations = ["run.generations=5", "evaluation.use_scale_baseline=false"]
     ref = tmp_path / "ref"
     res = essa("train", "--run-dir", str(ref), *sets(*SMALL, *generations))
     assert res.returncode == 0, res.stderr[-3000:]
 
     run_dir = tmp_path / "killed"
-    cmd = [
-        sys.executable,
-        "-m",
-        "essa.cli",
-        "train",
-        "--run-dir",
-        str(run_dir),
-        *sets(*SMALL, *generations),
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        done = metrics.exists() and '"generation": 1,' in metrics.read_text()
-        if done or proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
+    rng = random.Random(11)
+    # 1. kill -9 at a seeded random moment after the run directory exists (SFT, baselines, ...).
+    proc = _launch(run_dir, "--run-dir", str(run_dir), *sets(*SMALL, *generations))
+    _wait_for(proc, lambda: (run_dir / "config.yaml").exists())
+    time.sleep(rng.uniform(0.0, 1.5))
+    proc.kill()
     proc.wait()
     assert not (run_dir / "summary.json").exists(), "the run finished before it could be killed"
 
+    # 2. kill -9 inside the next-but-one checkpoint write: temp file synced, not yet renamed.
+    done = _checkpoint_generation(run_dir)
+    assert done <= 2, "start-up was too fast for this test's kill schedule"
+    proc = _launch(run_dir, "--resume", str(run_dir), env={"ESSA_FAULT": f"kill@{done + 2}"})
+    proc.wait(timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-3000:] if proc.stderr else ""
+    assert (run_dir / ".checkpoint.json.tmp").exists()  # the write it was killed in
+    assert _checkpoint_generation(run_dir) == done + 1  # the previous checkpoint, intact
+
+    # 3. The disk fills up while the next checkpoint is written: one line, exit 2, kept state.
+    res = essa("train", "--resume", str(run_dir), env={"ESSA_FAULT": f"enospc@{done + 3}"})
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: cannot write {run_dir / 'checkpoint.json'}: no space left on device; stopped, "
+        f"the last checkpoint ({done + 2} generations done) intact; free space and continue "
+        f"with: essa train --resume {run_dir}"
+    )
+    assert _checkpoint_generation(run_dir) == done + 2
+    assert not (run_dir / ".checkpoint.json.tmp").exists()
+
+    # 4. kill -9 between generations, with files in the run directory that must never be run.
+    marker = tmp_path / "pwned"
+    (run_dir / "evil.py").write_text(f"import os\nos.mkdir({str(marker)!r})\n")
+    (run_dir / "checkpoint.pt").write_bytes(
+        b"cos\nmkdir\n(V" + str(marker).encode() + b"\ntR."  # pickle: os.mkdir(marker)
+    )
+    target = done + 2
+    proc = _launch(run_dir, "--resume", str(run_dir))
+    _wait_for(proc, lambda: f'"generation": {target},' in metrics.read_text())
+    proc.kill()
+    proc.wait()
+
     res = essa("train", "--resume", str(run_dir))
     assert res.returncode == 0, res.stderr[-3000:]
+    assert not marker.exists()
     a, b = adapter_tensors(ref), adapter_tensors(run_dir)
     assert set(a) == set(b)
     for key in a:

@@ -14,10 +14,15 @@ refused: W0 is called as is, never modified. Rows are candidate-major: row ``i``
 In both strategies, when the prompts share a token prefix (a system prompt, a chat header), that
 prefix is run once per candidate and its KV cache reused by the candidate's rows
 (``evaluation.use_prefix_cache``; see ``essa.backends.hf.generate_texts``).
+
+Faults: a candidate whose logits turn NaN/inf is flagged in ``nonfinite`` (the recipe gives it
+NaN fitness) instead of being graded on garbage; an out-of-memory error halves the micro-batch
+and retries the call (logged), down to one sequence per forward, before it becomes a UserError.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,10 +31,21 @@ from typing import Any
 import numpy as np
 
 from essa.adapters import PopulationLoRA, SVDAdapter, candidate_rows, merged_candidate
-from essa.backends.hf import generate_texts
+from essa.backends.hf import NonFiniteGuard, generate_texts
 from essa.config import EvaluationConfig, GenerationConfig
 from essa.errors import UserError
 from essa.types import Population
+
+log = logging.getLogger(__name__)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """True for an accelerator or host out-of-memory error (torch raises several kinds)."""
+    import torch
+
+    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
 
 
 @dataclass
@@ -58,6 +74,9 @@ class PopulationEvaluator:
         self.cfg = cfg
         self.chosen: dict[int, str] = {}  # number of prompts -> strategy picked by `auto`
         self.stats = EvalStats()
+        self.micro_batch_size = cfg.micro_batch_size  # halved on out-of-memory, never raised
+        self.nonfinite = np.zeros(0, dtype=bool)  # (P,) of the last call: non-finite logits
+        self._flags: list[bool] = []  # per candidate of the current call, in order
         # bitsandbytes int8/int4 weights cannot take a merged delta: only `batched` applies.
         self.quantized = any(
             not model.get_submodule(name).weight.is_floating_point()
@@ -72,8 +91,12 @@ class PopulationEvaluator:
     def completions(
         self, population: Population, prompts: Sequence[str], seed: int | None = None
     ) -> list[list[str]]:
-        """Return completions[candidate][prompt] for population (P, D)."""
+        """Return completions[candidate][prompt] for population (P, D).
+
+        Afterwards ``nonfinite`` (P,) marks the candidates whose logits were NaN/inf.
+        """
         population = np.atleast_2d(population)
+        self._flags = []
         strategy = self.cfg.strategy
         if strategy == "auto" and self.quantized:
             strategy = self.chosen[len(prompts)] = "batched"
@@ -88,14 +111,49 @@ class PopulationEvaluator:
         self, strategy: str, population: Population, prompts: Sequence[str], seed: int | None
     ) -> list[list[str]]:
         start = time.perf_counter()
-        if strategy == "batched":
-            out, tokens = self._batched(population, prompts, seed)
-        else:
-            out, tokens = self._merged(population, prompts, seed)
+        out, tokens, flags = self._retrying(strategy, population, prompts, seed)
+        self._flags.extend(flags)
+        self.nonfinite = np.array(self._flags, dtype=bool)
         self.stats.seconds += time.perf_counter() - start
         self.stats.new_tokens += tokens
         self.stats.sequences += len(population) * len(prompts)
         return out
+
+    def _retrying(
+        self, strategy: str, population: Population, prompts: Sequence[str], seed: int | None
+    ) -> tuple[list[list[str]], int, list[bool]]:
+        """Run one strategy; on out-of-memory halve ``micro_batch_size`` and run it again."""
+        while True:
+            try:
+                if strategy == "batched":
+                    return self._batched(population, prompts, seed)
+                return self._merged(population, prompts, seed)
+            except Exception as err:
+                if not is_out_of_memory(err):
+                    raise
+                if self.micro_batch_size == 1:
+                    raise UserError(
+                        "out of memory during evaluation even at one sequence per forward; "
+                        "lower generation.max_new_tokens or use a smaller or quantised model "
+                        f"({type(err).__name__})"
+                    ) from None
+                self._release_memory()
+                smaller = max(1, self.micro_batch_size // 2)
+                log.warning(
+                    "out of memory with micro_batch_size=%d (%s); retrying with %d",
+                    self.micro_batch_size,
+                    type(err).__name__,
+                    smaller,
+                )
+                self.micro_batch_size = smaller
+
+    def _release_memory(self) -> None:
+        import torch
+
+        # The failed call's activations are garbage now; hand the cached blocks back to the
+        # allocator so that the retry can use them (the one place we empty the CUDA cache).
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _probe(
         self, population: Population, prompts: Sequence[str], seed: int | None
@@ -103,8 +161,8 @@ class PopulationEvaluator:
         """Time each strategy on half the candidates and remember the faster one."""
         half = len(population) // 2
         # First calls pay one-off costs; run each once on one row, outside the timing and stats.
-        self._batched(population[:1], prompts[:1], seed)
-        self._merged(population[:1], prompts[:1], seed)
+        self._retrying("batched", population[:1], prompts[:1], seed)
+        self._retrying("merged", population[:1], prompts[:1], seed)
         cost: dict[str, float] = {}
         parts: list[list[list[str]]] = []
         for strategy, rows in (("batched", population[:half]), ("merged", population[half:])):
@@ -115,11 +173,15 @@ class PopulationEvaluator:
         self.stats.strategy_seconds = cost
         return parts[0] + parts[1]
 
+    def _guard(self, n_rows: int) -> NonFiniteGuard:
+        return NonFiniteGuard(n_rows, self.tokenizer.eos_token_id)
+
     def _batched(
         self, population: Population, prompts: Sequence[str], seed: int | None
-    ) -> tuple[list[list[str]], int]:
+    ) -> tuple[list[list[str]], int, list[bool]]:
         n = len(prompts)
         rows = [p for _ in range(len(population)) for p in prompts]  # candidate-major
+        guard = self._guard(len(rows))
         with PopulationLoRA(self.model, self.adapter) as pop:
             pop.set_population(population)
             texts, tokens = generate_texts(
@@ -127,30 +189,36 @@ class PopulationEvaluator:
                 self.tokenizer,
                 rows,
                 self.gen,
-                micro_batch_size=self.cfg.micro_batch_size,
+                micro_batch_size=self.micro_batch_size,
                 row_candidates=candidate_rows(len(population), n),  # (P * n,)
                 set_rows=pop.set_rows,
                 seed=seed,
                 use_prefix_cache=self.cfg.use_prefix_cache,
+                guard=guard,
             )
-        return [texts[c * n : (c + 1) * n] for c in range(len(population))], tokens
+        flags = guard.rows.view(len(population), n).any(dim=1).tolist()  # (P,)
+        return [texts[c * n : (c + 1) * n] for c in range(len(population))], tokens, flags
 
     def _merged(
         self, population: Population, prompts: Sequence[str], seed: int | None
-    ) -> tuple[list[list[str]], int]:
+    ) -> tuple[list[list[str]], int, list[bool]]:
         out: list[list[str]] = []
         tokens = 0
+        flags: list[bool] = []
         for vector in population:
+            guard = self._guard(len(prompts))
             with merged_candidate(self.model, self.adapter, vector):
                 texts, new = generate_texts(
                     self.model,
                     self.tokenizer,
                     prompts,
                     self.gen,
-                    micro_batch_size=self.cfg.micro_batch_size,
+                    micro_batch_size=self.micro_batch_size,
                     seed=seed,
                     use_prefix_cache=self.cfg.use_prefix_cache,
+                    guard=guard,
                 )
             out.append(texts)
+            flags.append(bool(guard.rows.any()))
             tokens += new
-        return out, tokens
+        return out, tokens, flags

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +95,9 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
             "model.trust_remote_code is TRUE: code shipped with %s will run", cfg.name_or_path
         )
     device = pick_device(cfg.device)
-    kwargs: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code}
+    # Pickled (.bin) weights are unpickled with weights_only=True (tensors only, no code); the
+    # libraries' default today, stated here so that a library change cannot turn it off.
+    kwargs: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code, "weights_only": True}
     if cfg.quantization != "none":
         # Checked before the tokenizer and weights load: a mode that cannot run fails fast.
         kwargs["quantization_config"] = quantization_config(cfg, device)
@@ -110,7 +113,7 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
         kwargs["gguf_file"] = cfg.gguf_file
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, pickle.UnpicklingError) as err:
         raise UserError(
             f"model.name_or_path: cannot load model from {path}: {_first_line(err)}"
         ) from None
@@ -255,6 +258,7 @@ def generate_texts(
     set_rows: Callable[[torch.Tensor], None] | None = None,
     seed: int | None = None,
     use_prefix_cache: bool = False,
+    guard: NonFiniteGuard | None = None,
 ) -> tuple[list[str], int]:
     """Generate one completion per prompt, in micro-batches of rows.
 
@@ -267,6 +271,7 @@ def generate_texts(
     instead of being recomputed for every row; the completions are the same. It applies when the
     prefix has at least ``MIN_PREFIX_TOKENS`` tokens and the model's cache is a plain
     full-attention ``DynamicCache``; otherwise every row is encoded whole.
+    With ``guard``, rows whose logits turn non-finite are flagged in ``guard.rows`` and stopped.
     Returns (completions, new_tokens).
     """
     if not prompts:
@@ -297,16 +302,50 @@ def generate_texts(
             encoded[start:stop], prefix_len, tokenizer.pad_token_id, device
         )  # (B, T) each
         cache = {} if prefix is None else {_cache_argument(model): prefix.expand(model, rows)}
+        extra = {} if guard is None else {"logits_processor": guard.processors(start, stop)}
         out = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
             **cache,
+            **extra,
             **_generate_kwargs(gen, tokenizer),
         )
         new = out[:, input_ids.shape[1] :]  # (B, T_new)
         new_tokens += int((new != tokenizer.pad_token_id).sum())
         completions.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
     return completions, new_tokens
+
+
+class NonFiniteGuard:
+    """Flags generated rows whose next-token logits were ever NaN or infinite, and ends them.
+
+    A candidate whose scaled adapter overflows produces non-finite logits: greedy argmax then
+    picks an arbitrary token and sampling raises. A flagged row gets EOS as its only choice, so
+    it ends at once; the caller marks its candidate failed (NaN fitness) instead of grading
+    garbage. ``rows`` (N,) covers all rows of one :func:`generate_texts` call.
+    """
+
+    def __init__(self, n_rows: int, eos_token_id: int) -> None:
+        self.rows = torch.zeros(n_rows, dtype=torch.bool)  # (N,)
+        self.eos_token_id = eos_token_id
+
+    def processors(self, start: int, stop: int) -> Any:
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        guard = self
+
+        class _Check(LogitsProcessor):
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+                bad = ~torch.isfinite(scores).all(dim=-1)  # (B,)
+                if not bool(bad.any()):
+                    return scores
+                guard.rows[start:stop] |= bad.cpu()
+                scores = scores.clone()
+                scores[bad] = float("-inf")
+                scores[bad, guard.eos_token_id] = 0.0
+                return scores
+
+        return LogitsProcessorList([_Check()])
 
 
 def shared_prefix_length(sequences: Sequence[Sequence[int]]) -> int:

@@ -52,17 +52,23 @@ class DataError(ValueError):
 
 
 def _read_jsonl(path: Path) -> Iterator[Record]:
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:  # decoded per line, so a bad byte names its line
+        for line_number, raw in enumerate(handle, start=1):
+            where = f"{path}:{line_number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"{where}: not UTF-8 text ({error.reason})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise DataError(
                     f"{where}: invalid JSON: {error.msg} (column {error.colno})"
                 ) from error
+            except RecursionError:
+                raise DataError(f"{where}: invalid JSON: nested too deeply") from None
             if not isinstance(record, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
             yield where, record
@@ -73,6 +79,10 @@ def _read_json(path: Path, split: str | None) -> Iterator[Record]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
         raise DataError(f"{path}:{error.lineno}: invalid JSON: {error.msg}") from error
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason})") from None
+    except RecursionError:
+        raise DataError(f"{path}: invalid JSON: nested too deeply") from None
     if isinstance(data, dict):
         if split is None or split not in data:
             raise DataError(
@@ -94,8 +104,15 @@ def _read_json(path: Path, split: str | None) -> Iterator[Record]:
 def _read_csv(path: Path) -> Iterator[Record]:
     with path.open(encoding="utf-8", newline="") as handle:
         reader = csv.DictReader(handle)
-        for record in reader:
-            yield f"{path}:{reader.line_num}", record
+        try:
+            for record in reader:
+                yield f"{path}:{reader.line_num}", record
+        except UnicodeDecodeError as error:
+            raise DataError(
+                f"{path}: not UTF-8 text (byte {error.start}: {error.reason})"
+            ) from None
+        except csv.Error as error:
+            raise DataError(f"{path}:{reader.line_num}: invalid CSV: {error}") from None
 
 
 def _read_parquet(path: Path) -> Iterator[Record]:
@@ -103,7 +120,12 @@ def _read_parquet(path: Path) -> Iterator[Record]:
         import pyarrow.parquet as parquet
     except ImportError as error:
         raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from error
-    for index, record in enumerate(parquet.read_table(path).to_pylist()):
+    try:
+        rows = parquet.read_table(path).to_pylist()
+    except Exception as error:  # pyarrow's ArrowInvalid / OSError for a damaged file
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(f"{path}: cannot read Parquet: {first}") from None
+    for index, record in enumerate(rows):
         yield f"{path}: row {index}", record
 
 

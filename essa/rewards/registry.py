@@ -113,6 +113,12 @@ def _load_custom(name: str, params: dict[str, object]) -> ScoreFn:
     module_name, _, attribute = name.partition(":")
     if not module_name or not attribute:
         raise ValueError(f"custom reward {name!r} must be written 'module:function'")
+    if not all(part.isidentifier() for part in module_name.split(".")):
+        # Only importable module names: reward code is never loaded from a file path.
+        raise ValueError(
+            f"custom reward {name!r}: cannot import module {module_name!r}: not a dotted module "
+            "name (file paths are not accepted; put the module on PYTHONPATH)"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
