@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import Row, median_spread, row, write_result
+
 RESULTS = Path("bench/results")
 
 
@@ -51,7 +53,15 @@ def run_seed(seed: int, overrides: list[str], root: Path) -> dict[str, Any]:
     curve = [
         (r["generation"] + 1, r["heldout_accuracy"]) for r in records if "heldout_accuracy" in r
     ]
-    return {"seed": seed, "summary": summary, "command_wall_seconds": wall, "curve": curve}
+    # Generation 0 includes auto's one-off strategy probe: left out of the median.
+    seconds = [r["seconds"] for r in records if r.get("generation", -1) >= 1 and "seconds" in r]
+    return {
+        "seed": seed,
+        "summary": summary,
+        "command_wall_seconds": wall,
+        "generation_seconds": median_spread(seconds) if seconds else None,
+        "curve": curve,
+    }
 
 
 def mean_spread(values: list[float]) -> str:
@@ -85,6 +95,44 @@ def table(runs: list[dict[str, Any]]) -> str:
         f"Wall time per `essa train` (2 threads, everything included): {mean_spread(walls)} s.",
     ]
     return "\n".join(lines)
+
+
+def report_rows(result: dict[str, Any]) -> list[Row]:
+    """Accuracy before/after (mean over seeds), the gain, and the cost of a run."""
+    runs = result["runs"]
+    n = runs[0]["summary"]["test_size"]
+    base = [r["summary"]["baseline_accuracy"] for r in runs]
+    final = [r["summary"]["final_accuracy"] for r in runs]
+    scale = [r["summary"]["scale_baseline"]["heldout_accuracy"] for r in runs]
+    gain = statistics.mean(final) - statistics.mean(base)
+    seeds = f"{len(runs)} seed{'s' if len(runs) > 1 else ''}, {n} held-out pairs"
+    rows = [
+        row(
+            "demo held-out accuracy: SFT adapter -> ESSA",
+            f"{mean_spread(base)} -> {mean_spread(final)} ({gain:+.3f})",
+            "ESSA > SFT",
+            gain > 0,
+            seeds,
+        ),
+        row(
+            "demo: ESSA vs no-search baseline (SFT x best uniform factor)",
+            f"{statistics.mean(final) - statistics.mean(scale):+.3f}",
+            None,
+            None,
+            f"baseline {mean_spread(scale)}",
+        ),
+        row(
+            "demo: wall seconds per `essa train` (everything included)",
+            mean_spread([r["command_wall_seconds"] for r in runs]),
+            None,
+            None,
+            f"{runs[0]['summary']['generations']} generations",
+        ),
+    ]
+    gens = [r["generation_seconds"]["median"] for r in runs if r.get("generation_seconds")]
+    if gens:
+        rows.append(row("demo: median seconds per generation", mean_spread(gens), note=seeds))
+    return rows
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
@@ -121,9 +169,7 @@ def main() -> None:
         + " ".join(map(str, args.seeds))
         + "".join(f" --set {o}" for o in args.overrides)
     )
-    (RESULTS / "demo.json").write_text(
-        json.dumps({"command": command, "runs": runs}, indent=2) + "\n"
-    )
+    write_result("demo", {"seeds": args.seeds, "runs": runs}, command)
     plot(runs, RESULTS / "demo.png")
     print(table(runs))
     print(f"\n(reproduce: {command})")

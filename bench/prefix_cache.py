@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.common import Row, row, write_result
+
 RESULTS = Path("bench/results")
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FEW_SHOT = "1+2=3,4+5=9,10+20=30,7+8=15,"  # the demo model's artificial shared prefix
@@ -66,6 +68,25 @@ def adapter_for(model: Any, rank: int = 8, seed: int = 0) -> tuple[Any, Any]:
             param.data = torch.randn(param.shape, generator=gen) * 0.05
     adapter = SVDAdapter.from_peft_model(peft_model, alpha=1.0)
     return peft_model.unload(), adapter
+
+
+def report_rows(result: dict[str, Any]) -> list[Row]:
+    """Uncached / cached wall time per strategy (fastest of the repeats), and identity."""
+    rows = []
+    for cell in result["cells"]:
+        wall = cell["wall_seconds"]
+        note = (
+            f"{result['candidates']} candidates x {result['prompts']} prompts, "
+            f"{result['shared_prefix_tokens']} of {result['prompt_tokens_mean']:.0f} prompt "
+            f"tokens shared; fastest of {len(wall['cached'])}: {min(wall['uncached']):.2f} s -> "
+            f"{min(wall['cached']):.2f} s; CPU time x{cell['speedup_cpu']:.2f}"
+        )
+        rows.append(row(
+            f"prefix KV cache on vs off, {cell['strategy']} ({result['model']})",
+            f"x{cell['speedup_wall']:.2f}", "same completions", bool(cell["same_completions"]),
+            note,
+        ))  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -135,8 +156,14 @@ def main() -> None:
         "load_average_1min": [load_before, os.getloadavg()[0]],  # other work on the machine
         "cells": cells,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "prefix_cache.json").write_text(json.dumps(result, indent=2) + "\n")
+    command = (
+        f"python -m bench.prefix_cache --candidates {args.candidates} --prompts {args.prompts} "
+        f"--new-tokens {args.new_tokens} --repeats {args.repeats} --strategies "
+        + " ".join(args.strategies)
+        + (f" --threads {args.threads}" if args.threads else "")
+        + (" --demo" if args.demo else "")
+    )
+    write_result("prefix_cache", result, command, extra_versions=("gguf",))
     print(json.dumps({k: v for k, v in result.items() if k != "cells"}))
 
 

@@ -26,13 +26,14 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.common import Row, row, write_result
 
 RESULTS = Path("bench/results")
 MODES = ("none", "int8", "int4")
@@ -217,9 +218,31 @@ def table(rows: list[dict[str, Any]], measured: dict[str, dict[str, Any]]) -> st
 
 def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault((row["model"], row["mode"]), []).append(row)
+    for run in rows:
+        groups.setdefault((run["model"], run["mode"]), []).append(run)
     return groups
+
+
+def report_rows(result: dict[str, Any]) -> list[Row]:
+    """Per model and quantised mode: bytes, held-out accuracy vs fp32, throughput vs fp32."""
+    rows = []
+    for (name, mode), group in _groups(result["runs"]).items():
+        if mode == "none":
+            continue
+        measured = result["in_process"][name]
+        fp32 = {r["seed"]: r for r in result["runs"] if r["model"] == name and r["mode"] == "none"}
+        deltas = [100 * (r["final_accuracy"] - fp32[r["seed"]]["final_accuracy"]) for r in group]
+        layers = measured["quantised_layer_bytes"]
+        speed = measured["eval_tokens_per_second"]
+        rows.append(row(
+            f"{mode} vs fp32 ({name}): quantised layers' bytes; held-out accuracy; eval tokens/s",
+            f"x{layers[mode] / layers['none']:.3f} bytes; {statistics.mean(deltas):+.1f} points; "
+            f"x{speed[mode] / speed['none']:.2f} tokens/s",
+            None, None,
+            f"accuracy Δ per seed: {', '.join(f'{d:+.1f}' for d in deltas)} "
+            f"(n={group[0]['test_size']}); throughput interleaved in one process",
+        ))  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -257,14 +280,8 @@ def main() -> None:
         + " ".join(map(str, args.seeds))
         + "".join(f" --set {o}" for o in args.overrides)
     )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    result = {
-        "command": command,
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "in_process": measured,
-        "runs": rows,
-    }
-    (RESULTS / "quant.json").write_text(json.dumps(result, indent=2) + "\n")
+    result = {"seeds": args.seeds, "in_process": measured, "runs": rows}
+    write_result("quant", result, command, extra_versions=("bitsandbytes", "gguf"))
     print(table(rows, measured))
     print(f"\n(reproduce: {command})")
 

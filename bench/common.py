@@ -1,0 +1,104 @@
+"""Helpers shared by the bench modules: machine facts, versions, medians and writing results.
+
+Every bench module writes ``bench/results/<name>.json`` through :func:`write_result`, which adds
+the reproduce command, the machine, the library versions and the time of the run, and defines
+``report_rows(result) -> list[Row]`` that bench/suite.py renders into docs/performance.md.
+Timings on a shared CPU are noisy: modules compare ratios measured side by side in one run and
+report medians with their spread over repeats.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypedDict
+
+RESULTS = Path("bench/results")
+
+
+class Row(TypedDict):
+    """One line of the performance table; ``value`` is already formatted."""
+
+    row: str
+    value: str
+    target: str | None
+    met: bool | None
+    note: str
+
+
+def row(
+    name: str, value: str, target: str | None = None, met: bool | None = None, note: str = ""
+) -> Row:
+    return {"row": name, "value": value, "target": target, "met": met, "note": note}
+
+
+def machine() -> dict[str, Any]:
+    """Architecture, CPU count, torch threads (when torch is imported) and the 1-min load."""
+    info: dict[str, Any] = {
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        info["torch_threads"] = torch.get_num_threads()
+    return info
+
+
+def versions(extra: Sequence[str] = ()) -> dict[str, str | None]:
+    """Installed versions of torch, transformers, peft, essa-align and ``extra`` packages."""
+    out: dict[str, str | None] = {}
+    for package in ("torch", "transformers", "peft", "essa-align", "numpy", *extra):
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def median_spread(values: Sequence[float]) -> dict[str, float | int]:
+    """Median, min, max and count of repeated measurements."""
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def fmt_spread(stats: dict[str, float | int], digits: int = 3, unit: str = "") -> str:
+    """``1.234 s [1.100–1.400, n=3]`` from :func:`median_spread`'s dict."""
+    med, low, high = stats["median"], stats["min"], stats["max"]
+    return f"{med:.{digits}f}{unit} [{low:.{digits}f}–{high:.{digits}f}, n={stats['n']}]"
+
+
+def write_result(
+    name: str, result: dict[str, Any], command: str, extra_versions: Sequence[str] = ()
+) -> Path:
+    """Write bench/results/<name>.json with command, machine, versions and date added."""
+    full = {
+        "command": command,
+        "machine": machine(),
+        "versions": versions(extra_versions),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **result,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(full, indent=2) + "\n")
+    return path
+
+
+def read_result(name: str) -> dict[str, Any] | None:
+    """bench/results/<name>.json, or None when that benchmark has not been run yet."""
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None

@@ -1,0 +1,138 @@
+"""The benchmark suite: each new bench module at toy size, report rows, and the rendered report.
+
+Timings here are real but tiny; the tests check structure and invariants (same completions,
+counts, the report naming every benchmark), never speed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import generation_overhead, optimizer_timing, strategies, suite
+from bench.common import median_spread, read_result, write_result
+
+REPO = Path(__file__).resolve().parent.parent
+ROW_KEYS = {"row", "value", "target", "met", "note"}
+
+
+def check_rows(rows: list[dict]) -> None:
+    assert rows
+    for r in rows:
+        assert set(r) == ROW_KEYS
+        assert isinstance(r["value"], str) and r["value"]
+        assert r["met"] is None or isinstance(r["met"], bool)
+
+
+def test_median_spread() -> None:
+    assert median_spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+
+
+def test_write_result_adds_provenance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    write_result("toy", {"cells": [1]}, "python -m bench.toy --x 1")
+    result = read_result("toy")
+    assert result is not None
+    assert result["command"] == "python -m bench.toy --x 1"
+    assert result["cells"] == [1]
+    assert result["machine"]["cpu_count"] >= 1
+    assert result["versions"]["essa-align"] is not None
+    assert read_result("missing") is None
+
+
+@pytest.mark.parametrize("method", list(optimizer_timing.METHODS))
+def test_optimizer_timing_cell(method: str) -> None:
+    cell = optimizer_timing.time_optimizer(method, 30, 8, iterations=3, max_seconds=60)
+    assert cell["iterations"] == 3 and not cell["capped"]
+    assert 0 < cell["ask_tell_seconds"]["min"] <= cell["ask_tell_seconds"]["max"]
+    assert (cell["eigen_updates"] is None) == (method != "cma_es full")
+
+
+def test_optimizer_timing_cap_stops_early() -> None:
+    cell = optimizer_timing.time_optimizer("cma_es sep", 20, 8, iterations=1000, max_seconds=0.0)
+    assert cell["iterations"] == 1 and cell["capped"]
+
+
+@pytest.mark.slow
+def test_optimizer_timing_rows_with_a_measured_generation() -> None:
+    result = {
+        "cells": [optimizer_timing.time_optimizer("openai_es", 50, 4, 2, 60)],
+        "generation": [optimizer_timing.generation_seconds(4, repeats=1)],
+    }
+    rows = optimizer_timing.report_rows(result)
+    check_rows(rows)
+    assert "% of a demo generation" in rows[0]["value"]
+
+
+def test_strategies_cell_agrees_and_reports() -> None:
+    setup = strategies.build()
+    cell = strategies.time_cell(setup, population=4, n_prompts=4, repeats=1, merged_candidates=2)
+    assert cell["same_completions"]
+    assert cell["merged_extrapolated"]
+    assert cell["auto_choice"] in ("batched", "merged")
+    assert cell["auto_vs_best"] >= 1.0
+    rows = strategies.report_rows({"cells": [cell], "skipped": ["P=64/N=256"]})
+    check_rows(rows)
+    assert "P=64/N=256" in rows[-1]["note"]
+
+
+def test_generation_overhead_demo_cell() -> None:
+    cell = generation_overhead.measure("demo", repeats=1, seed=0, shape=(2, 4, 3))
+    assert cell["sequences"] == 8
+    assert set(cell["seconds"]) == {"essa", "plain peft", "plain merged"}
+    assert cell["auto_choice"] in ("batched", "merged")
+    assert all(tokens > 0 for tokens in cell["new_tokens"].values())
+    rows = generation_overhead.report_rows({"cells": [cell], "skipped": {}})
+    check_rows(rows)
+    assert [r["target"] for r in rows] == ["<= 1.15x", "<= 1.15x"]
+
+
+def test_recorded_results_render() -> None:
+    """Every recorded bench/results/<name>.json of a listed module gives well-formed rows."""
+    rendered = 0
+    for name, _, _ in suite.known():
+        path = REPO / "bench" / "results" / f"{name}.json"
+        if path.exists():
+            check_rows(suite.rows_for(name, json.loads(path.read_text())))
+            rendered += 1
+    assert rendered >= 1
+
+
+def test_report_only_lists_every_benchmark(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cell = optimizer_timing.time_optimizer("openai_es", 10, 4, 2, 60)
+    gen = {"population": 4, "prompts": 64, "seconds": median_spread([0.5, 0.6])}
+    write_result("optimizer_timing", {"cells": [cell], "generation": [gen]}, "python -m x")
+    assert suite.main(["--report-only"]) == 0
+    text = (tmp_path / "docs" / "performance.md").read_text()
+    assert "`python -m x`" in text
+    assert "| openai_es ask+tell, D=10 | P=4: " in text
+    for name, _, _ in suite.known():
+        assert f"### {name}" in text
+    assert text.count("not run yet") == len(suite.known()) - 1
+
+
+def test_unknown_benchmark_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert suite.main(["no_such_bench"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown benchmark") and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_suite_runs_a_module_in_a_fresh_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the fresh process finds `bench` from tmp_path
+    args = ["--dims", "10", "--populations", "4", "--methods", "openai_es", "--iterations", "2",
+            "--repeats", "1", *suite.thread_args("optimizer_timing", 1)]
+    run = suite.run_one("optimizer_timing", args)
+    assert run["exit_code"] == 0, (tmp_path / "runs/bench-suite/optimizer_timing.log").read_text()
+    result = read_result("optimizer_timing")
+    assert result is not None
+    assert result["command"].startswith("python -m bench.optimizer_timing --dims 10")
+    assert result["machine"]["torch_threads"] == 1
+    failed = suite.run_one("optimizer_timing", ["--dims", "-5"])
+    assert failed["exit_code"] != 0
