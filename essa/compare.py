@@ -36,7 +36,9 @@ def load_run(run_dir: Path) -> RunCurves:
         raise UserError(f"{run_dir}: not a finished run (needs summary.json and metrics.jsonl)")
     summary = json.loads(summary_path.read_text())
     algorithm = summary.get("algorithm", "essa")
-    if algorithm == "grpo":
+    if "label" in summary:  # runs written by other trainers (bench/trl_grpo.py) name themselves
+        label = str(summary["label"])
+    elif algorithm == "grpo":
         label = f"grpo ({summary.get('loss')}, {summary.get('trainable')})"
     else:
         label = "essa"
