@@ -48,7 +48,7 @@ def run(
     from essa.backends.evaluator import PopulationEvaluator
     from essa.backends.hf import load_model
     from essa.backends.memory import memory_metrics, model_bytes
-    from essa.dist import any_rank, check_replicas, get_comm, place_rank
+    from essa.dist import any_rank, get_comm, place_rank
     from essa.recipes.common import (
         load_task,
         render_prompts,
@@ -77,12 +77,13 @@ def run(
         adapter = SVDAdapter.from_peft_model(peft_model, alpha=cfg.adapter.alpha)
     except ValueError as err:  # e.g. alpha * r selects no singular value of a given adapter
         raise UserError(f"adapter: {err}") from None
-    model = peft_model.unload()  # the base; candidates are applied by the evaluator
     if cfg.backend == "vllm":
         del model, peft_model  # the engine loads its own copy of the base: free this one first
         evaluator = _vllm_evaluator(cfg, tokenizer, adapter, comm)
-    else:
-        evaluator = PopulationEvaluator(model, tokenizer, adapter, cfg.generation, cfg.evaluation)
+    else:  # the base, with candidates applied by the evaluator
+        evaluator = PopulationEvaluator(
+            peft_model.unload(), tokenizer, adapter, cfg.generation, cfg.evaluation
+        )
     train_prompts = render_prompts(task.train, cfg.data.template, tokenizer)
     test_prompts = render_prompts(task.test, cfg.data.template, tokenizer)
 
@@ -118,45 +119,12 @@ def run(
     with _progress(cfg, console, opt.generation) as advance, _Interrupt() as interrupt:
         while opt.generation < cfg.run.generations:
             g = opt.generation
-            gen_start = time.perf_counter()
-            bytes_before = comm.comm_bytes
-            tokens_before = evaluator.stats.new_tokens
-            population = opt.ask()  # (P, D), identical on every rank
-            faults_before = _fault_counts(reward, evaluator)
-            fitness = _fitness(
-                cfg, g, population, evaluator, task.train, train_prompts, reward, comm
-            )
-            faults = _fault_delta(faults_before, _fault_counts(reward, evaluator))
-            _check_generation(g, fitness, faults, reward.name)
-            opt_metrics = opt.tell(population, fitness)
-            check_replicas(comm, opt, g)  # every rank must now hold the same state
-            _track_best(state, population, fitness)
-            seconds = time.perf_counter() - gen_start
-            record = _generation_record(
-                g,
-                fitness,
-                opt_metrics,
-                seconds,
-                evaluator.stats.new_tokens - tokens_before,
-                evaluator,
-            )
-            record.update(world_size=comm.world_size, comm_bytes=comm.comm_bytes - bytes_before)
-            record.update(faults)
+            record = _generation(cfg, g, opt, evaluator, task.train, train_prompts, reward, comm)
+            _track_best(state, record.pop("_population"), record.pop("_fitness"))
             if cfg.evaluation.every and (g + 1) % cfg.evaluation.every == 0:
                 record["heldout_accuracy"] = heldout(opt.mean)
             state["elapsed"] = elapsed_before + time.perf_counter() - wall_start
-            # Metrics first: a kill between the two writes redoes generation g on resume,
-            # which drops and rewrites its record; the other order could lose the record.
-            try:
-                metrics.write(record)
-                if is_root:
-                    _save_checkpoint(run_dir, opt, state)
-            except StorageError as err:
-                kept = f"the last checkpoint ({g} generations done)" if g else "no checkpoint yet"
-                raise StorageError(
-                    f"{err}; stopped, {kept} intact; free space and continue with: "
-                    f"essa train --resume {run_dir}"
-                ) from None
+            _persist(run_dir, g, record, metrics, opt, state, is_root)
             advance(record)
             if interrupt.signum is not None:
                 _say(
@@ -177,6 +145,64 @@ def run(
     if not is_root:
         return {}  # rank 0 alone evaluates, exports and writes the summary
     return _finish(cfg, run_dir, adapter, opt, state, heldout, sft_dir, wall_start, console)
+
+
+def _generation(
+    cfg: Config,
+    g: int,
+    opt: Any,
+    evaluator: Any,
+    problems: list[Example],
+    prompts: list[str],
+    reward: Any,
+    comm: Comm,
+) -> dict[str, Any]:
+    """One ask / evaluate / tell on every rank; the generation's metrics record.
+
+    The record also carries the population and its fitness under ``_population`` and
+    ``_fitness`` for the caller to pop (they are not logged).
+    """
+    from essa.dist import check_replicas
+
+    start = time.perf_counter()
+    bytes_before, tokens_before = comm.comm_bytes, evaluator.stats.new_tokens
+    faults_before = _fault_counts(reward, evaluator)
+    population = opt.ask()  # (P, D), identical on every rank
+    fitness = _fitness(cfg, g, population, evaluator, problems, prompts, reward, comm)
+    faults = _fault_delta(faults_before, _fault_counts(reward, evaluator))
+    _check_generation(g, fitness, faults, reward.name)
+    opt_metrics = opt.tell(population, fitness)
+    check_replicas(comm, opt, g)  # every rank must now hold the same state
+    tokens = evaluator.stats.new_tokens - tokens_before
+    seconds = time.perf_counter() - start
+    record = _generation_record(g, fitness, opt_metrics, seconds, tokens, evaluator)
+    record.update(world_size=comm.world_size, comm_bytes=comm.comm_bytes - bytes_before)
+    record.update(faults)
+    return {**record, "_population": population, "_fitness": fitness}
+
+
+def _persist(
+    run_dir: Path,
+    g: int,
+    record: dict[str, Any],
+    metrics: MetricsLog,
+    opt: Any,
+    state: dict[str, Any],
+    is_root: bool,
+) -> None:
+    """Append generation g's record, then checkpoint; a storage fault stops with the way on."""
+    # Metrics first: a kill between the two writes redoes generation g on resume, which drops
+    # and rewrites its record; the other order could lose the record.
+    try:
+        metrics.write(record)
+        if is_root:
+            _save_checkpoint(run_dir, opt, state)
+    except StorageError as err:
+        kept = f"the last checkpoint ({g} generations done)" if g else "no checkpoint yet"
+        raise StorageError(
+            f"{err}; stopped, {kept} intact; free space and continue with: "
+            f"essa train --resume {run_dir}"
+        ) from None
 
 
 def _vllm_evaluator(cfg: Config, tokenizer: Any, adapter: Any, comm: Comm) -> Any:
