@@ -7,8 +7,9 @@ For each (population P, prompts N) cell, both strategies generate the same compl
 for the same random candidates around a rank-8 LoRA on the bundled demo model (greedy, 4 new
 tokens). Per cell, in this order:
 
-1. ``auto`` sees the population first, as in a run: its probe times each strategy on half the
-   candidates and keeps the faster per-candidate cost. The probe's wall time is a one-off cost.
+1. ``auto`` sees the population first, as in a run: each probe times each strategy on half the
+   candidates; it decides once the summed per-candidate costs differ by 10%, or after 3 probes
+   (``essa.backends.evaluator.MAX_PROBES``). The probes' wall time is a one-off cost.
 2. ``batched`` and ``merged`` are timed alternately, ``--repeats`` times (medians and spread).
 
 After its probe, ``auto`` runs exactly the code of the strategy it chose (``PopulationEvaluator.
@@ -78,8 +79,10 @@ def time_cell(
         s: PopulationEvaluator(model, tokenizer, adapter, gen, EvaluationConfig(strategy=s))
         for s in ("auto", "batched", "merged")
     }
-    start = time.perf_counter()
-    auto_out = evaluators["auto"].completions(x, prompts)  # the probe, on the whole population
+    start, probes = time.perf_counter(), 0
+    while len(prompts) not in evaluators["auto"].chosen:  # as the first generations of a run
+        auto_out = evaluators["auto"].completions(x, prompts)  # probes on the whole population
+        probes += 1
     probe_seconds = time.perf_counter() - start
     choice = evaluators["auto"].chosen[len(prompts)]
     m = min(population, merged_candidates)
@@ -104,6 +107,7 @@ def time_cell(
         "auto_choice": choice,
         "auto_vs_best": med[choice] / med[best],
         "auto_probe_seconds": probe_seconds,
+        "auto_probes": probes,
         "auto_probe_per_candidate": evaluators["auto"].stats.strategy_seconds,
         "same_completions": outputs["batched"][:m] == outputs["merged"] == auto_out[:m]
         and outputs["batched"] == auto_out,
@@ -133,7 +137,8 @@ def report_rows(result: dict[str, Any]) -> list[Row]:
         note = (
             f"batched {seconds['batched']['median']:.2f} s, merged {seconds['merged']['median']:.2f}"
             f" s{' (scaled from fewer candidates)' if c['merged_extrapolated'] else ''}; "
-            f"auto probe {c['auto_probe_seconds']:.2f} s once"
+            f"auto probe {c['auto_probe_seconds']:.2f} s over {c.get('auto_probes', 1)} "
+            "population(s)"
         )
         if not c["same_completions"]:
             note += "; COMPLETIONS DIFFER"
@@ -141,7 +146,7 @@ def report_rows(result: dict[str, Any]) -> list[Row]:
         if not met:
             probe = c["auto_probe_per_candidate"]
             note += (
-                f"; missed: auto chose {c['auto_choice']}: its one-shot probe saw "
+                f"; missed: auto chose {c['auto_choice']}: its probes saw "
                 f"merged/batched x{probe['merged'] / probe['batched']:.2f} per candidate, the "
                 f"repeats x{c['batched_speedup']:.2f} (probe noise)"
             )

@@ -64,3 +64,61 @@ def test_auto_records_choice_and_reuses_it(setup) -> None:  # type: ignore[no-un
     # The model is left unwrapped and unmerged: the zero vector reproduces the SFT adapter.
     names = {type(m).__name__ for m in model.modules()}
     assert "PopulationLinear" not in names
+
+
+def test_auto_probes_again_while_strategies_are_close(setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With equal measured costs `auto` keeps probing (outputs unchanged), then decides."""
+    import itertools
+    import types
+
+    from essa.backends import evaluator as evaluator_module
+    from essa.backends.evaluator import MAX_PROBES, PopulationEvaluator
+
+    model, tokenizer, adapter = setup
+    gen = GenerationConfig(max_new_tokens=4)
+    X = population(adapter)  # 4 candidates: two per strategy, so per-candidate costs tie
+    reference = PopulationEvaluator(
+        model, tokenizer, adapter, gen, EvaluationConfig(strategy="batched")
+    ).completions(X, PROMPTS)
+    # A clock that advances one tick per reading: both halves measure exactly the same cost.
+    ticks = itertools.count()
+    monkeypatch.setattr(
+        evaluator_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks)))
+    )
+    evaluator = PopulationEvaluator(model, tokenizer, adapter, gen, EvaluationConfig(strategy="auto"))
+    for _ in range(MAX_PROBES):
+        assert len(PROMPTS) not in evaluator.chosen
+        assert evaluator.completions(X, PROMPTS) == reference
+    assert evaluator.chosen[len(PROMPTS)] == "batched"  # a tie goes to batched
+    assert evaluator.stats.sequences == MAX_PROBES * len(X) * len(PROMPTS)
+
+
+def test_auto_decides_at_once_when_one_strategy_is_clearly_faster(setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import types
+
+    from essa.backends import evaluator as evaluator_module
+    from essa.backends.evaluator import PopulationEvaluator
+
+    model, tokenizer, adapter = setup
+    evaluator = PopulationEvaluator(model, tokenizer, adapter, GenerationConfig(max_new_tokens=4),
+                                    EvaluationConfig(strategy="auto"))
+    slow = {"merged": 0}  # merged calls take 10 clock units longer than batched ones
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    original = evaluator._retrying
+
+    def retrying(strategy, population, prompts, seed):  # type: ignore[no-untyped-def]
+        if strategy == "merged":
+            now[0] += 10.0
+            slow["merged"] += 1
+        return original(strategy, population, prompts, seed)
+
+    monkeypatch.setattr(evaluator_module, "time", types.SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(evaluator, "_retrying", retrying)
+    evaluator.completions(population(adapter), PROMPTS)
+    assert evaluator.chosen[len(PROMPTS)] == "batched"
+    assert slow["merged"] == 2  # the one-row warm-up and one probe: no second population

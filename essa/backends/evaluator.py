@@ -8,7 +8,9 @@ Two strategies produce the same completions (tested to 1e-5 in logits, identical
 
 ``auto`` measures both on the first population it sees (half the candidates each, so nothing is
 evaluated twice) and keeps the faster per-candidate cost; it is re-measured when the number of
-prompts changes. On quantised (bitsandbytes) weights ``auto`` is ``batched`` and ``merged`` is
+prompts changes. Near the crossover one probe is noise (the two within a few percent), so while
+the summed costs differ by less than ``PROBE_MARGIN`` it probes again on the next populations,
+swapping which half gets which strategy, for at most ``MAX_PROBES`` populations. On quantised (bitsandbytes) weights ``auto`` is ``batched`` and ``merged`` is
 refused: W0 is called as is, never modified. Rows are candidate-major: row ``i`` of a P x N evaluation is candidate ``i // N``.
 
 In both strategies, when the prompts share a token prefix (a system prompt, a chat header), that
@@ -37,6 +39,9 @@ from essa.errors import UserError
 from essa.types import Population
 
 log = logging.getLogger(__name__)
+
+PROBE_MARGIN = 0.10  # `auto` decides once one strategy's summed cost is this much lower
+MAX_PROBES = 3  # ... or after this many probed populations, on the summed costs
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -73,6 +78,7 @@ class PopulationEvaluator:
         self.gen = gen
         self.cfg = cfg
         self.chosen: dict[int, str] = {}  # number of prompts -> strategy picked by `auto`
+        self._probe_costs: dict[int, dict[str, float]] = {}  # prompts -> summed probe costs
         self.stats = EvalStats()
         self.micro_batch_size = cfg.micro_batch_size  # halved on out-of-memory, never raised
         self.nonfinite = np.zeros(0, dtype=bool)  # (P,) of the last call: non-finite logits
@@ -158,19 +164,30 @@ class PopulationEvaluator:
     def _probe(
         self, population: Population, prompts: Sequence[str], seed: int | None
     ) -> list[list[str]]:
-        """Time each strategy on half the candidates and remember the faster one."""
+        """Time each strategy on half the candidates; decide once the faster one is clear."""
+        n = len(prompts)
+        if n not in self._probe_costs:
+            # First calls pay one-off costs; run each once on one row, outside timing and stats.
+            self._retrying("batched", population[:1], prompts[:1], seed)
+            self._retrying("merged", population[:1], prompts[:1], seed)
+            self._probe_costs[n] = {"batched": 0.0, "merged": 0.0, "probes": 0.0}
+        costs = self._probe_costs[n]
         half = len(population) // 2
-        # First calls pay one-off costs; run each once on one row, outside the timing and stats.
-        self._retrying("batched", population[:1], prompts[:1], seed)
-        self._retrying("merged", population[:1], prompts[:1], seed)
-        cost: dict[str, float] = {}
+        order = ("batched", "merged") if costs["probes"] % 2 == 0 else ("merged", "batched")
         parts: list[list[list[str]]] = []
-        for strategy, rows in (("batched", population[:half]), ("merged", population[half:])):
+        for strategy, rows in zip(order, (population[:half], population[half:]), strict=True):
             start = time.perf_counter()
             parts.append(self._run(strategy, rows, prompts, seed))
-            cost[strategy] = (time.perf_counter() - start) / len(rows)
-        self.chosen[len(prompts)] = min(cost, key=cost.__getitem__)
-        self.stats.strategy_seconds = cost
+            costs[strategy] += (time.perf_counter() - start) / len(rows)
+        costs["probes"] += 1
+        batched, merged = costs["batched"], costs["merged"]
+        self.stats.strategy_seconds = {
+            "batched": batched / costs["probes"],
+            "merged": merged / costs["probes"],
+        }
+        clear = max(batched, merged) > (1 + PROBE_MARGIN) * min(batched, merged)
+        if clear or costs["probes"] >= MAX_PROBES:
+            self.chosen[n] = "batched" if batched <= merged else "merged"
         return parts[0] + parts[1]
 
     def _guard(self, n_rows: int) -> NonFiniteGuard:
