@@ -1,8 +1,9 @@
 """Fault injection for the reliability tests (docs/reliability.md); inert unless ESSA_FAULT is set.
 
 ``ESSA_FAULT=KIND@GENERATION`` makes the ESSA recipe fail while it writes the checkpoint of that
-generation (the number of generations told, as stored in ``checkpoint.json``), after the
-temporary file is written and synced and before it replaces the previous checkpoint:
+generation (the number of generations told, as stored in ``checkpoint.json``; for the GRPO
+recipe the number of steps done), after the temporary file is written and before it replaces
+the previous checkpoint:
 
 * ``kill@G``: the process sends itself SIGKILL (a crash in the middle of a checkpoint write);
 * ``enospc@G``: the write fails with ``OSError(ENOSPC)`` (a full disk in the middle of a run).

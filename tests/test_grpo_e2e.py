@@ -101,3 +101,28 @@ def test_grpo_resume_matches_uninterrupted(tmp_path: Path) -> None:
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert [r["generation"] for r in records(run_dir)] == [-1, 0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_grpo_full_disk_mid_run_stops_then_resumes_exactly(tmp_path: Path) -> None:
+    """ENOSPC while checkpointing step 3: one error line, step 2's checkpoint intact, resume exact."""
+    small = [*SMALL, "grpo.lr_schedule=constant", "run.generations=4"]
+    ref = tmp_path / "ref"
+    res = essa("train", "--run-dir", str(ref), *sets(*small))
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    res = essa("train", "--run-dir", str(run_dir), *sets(*small), env={"ESSA_FAULT": "enospc@3"})
+    assert res.returncode == 2, res.stderr[-3000:]
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr[-3000:]
+    assert "no space left on device" in lines[0] and "essa train --resume" in lines[0]
+    state = json.loads((run_dir / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 2  # the previous checkpoint, not a half-written one
+    assert not (run_dir / ".checkpoint.tmp").exists()
+    res = essa("train", "--resume", str(run_dir))
+    assert res.returncode == 0, res.stderr[-3000:]
+    a = load_file(str(ref / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert [r["generation"] for r in records(run_dir)] == [-1, 0, 1, 2, 3]

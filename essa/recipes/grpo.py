@@ -43,7 +43,14 @@ from essa.config import Config, dump_config, to_dict
 from essa.dist import Comm
 from essa.errors import UserError
 from essa.recipes import grpo_losses as losses
-from essa.rundir import MetricsLog, atomic_dir, atomic_write_json, recover
+from essa.rundir import (
+    MetricsLog,
+    StorageError,
+    atomic_dir,
+    atomic_write_json,
+    recover,
+    storage_error,
+)
 
 MAX_SAMPLING_ROUNDS = 4  # prompt batches drawn per step at most when groups are filtered
 
@@ -113,8 +120,7 @@ def run(
             record["heldout_accuracy"] = heldout_accuracy(policy, tokenizer, data, cfg)
         state["step"] = step + 1
         state["elapsed"] = elapsed_before + time.perf_counter() - wall_start
-        _save_checkpoint(run_dir, policy, optimizer, state)
-        metrics.write(record)
+        _persist(run_dir, record, metrics, policy, optimizer, state)
         _report(console, cfg, record)
         if cfg.run.max_wall_seconds and state["elapsed"] > cfg.run.max_wall_seconds:
             _say(console, f"stopping: run.max_wall_seconds={cfg.run.max_wall_seconds} reached")
@@ -679,11 +685,40 @@ def _history_from_json(data: dict[str, list[float]]) -> dict[int, losses.PromptS
     return {int(k): losses.PromptStats(int(v[0]), v[1], v[2]) for k, v in data.items()}
 
 
+def _persist(
+    run_dir: Path,
+    record: dict[str, Any],
+    metrics: MetricsLog,
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+) -> None:
+    """Append the step's record, then checkpoint; a storage fault stops with the way on."""
+    # Metrics first: a kill between the two writes redoes the step on resume, which drops and
+    # rewrites its record; the other order could lose the record.
+    try:
+        metrics.write(record)
+        _save_checkpoint(run_dir, policy, optimizer, state)
+    except StorageError as err:
+        done = state["step"] - 1
+        kept = f"the last checkpoint ({done} steps done)" if done else "no checkpoint yet"
+        raise StorageError(
+            f"{err}; stopped, {kept} intact; free space and continue with: "
+            f"essa train --resume {run_dir}"
+        ) from None
+
+
 def _save_checkpoint(
     run_dir: Path, policy: Policy, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
-    """RUN_DIR/checkpoint/: state.json and tensors.safetensors (trainables, AdamW moments)."""
+    """RUN_DIR/checkpoint/: state.json and tensors.safetensors (trainables, AdamW moments).
+
+    Replaced atomically; on a failed write (full disk) the previous checkpoint stays and
+    :class:`StorageError` names the directory.
+    """
     from safetensors.torch import save_file
+
+    from essa.faults import checkpoint_fault
 
     tensors: dict[str, torch.Tensor] = {}
     adam_steps = []
@@ -695,9 +730,15 @@ def _save_checkpoint(
             tensors[f"exp_avg_sq.{i}"] = moments["exp_avg_sq"].cpu().contiguous()
         adam_steps.append(float(moments["step"]) if moments else 0.0)
     extra = {"adam_steps": adam_steps, "lisa_steps": getattr(optimizer, "steps", None)}
-    with atomic_dir(run_dir / "checkpoint") as tmp:
-        save_file(tensors, str(tmp / "tensors.safetensors"))
-        (tmp / "state.json").write_text(json.dumps({**state, **extra}))
+    fault = checkpoint_fault(state["step"])  # None unless ESSA_FAULT is set (tests)
+    try:
+        with atomic_dir(run_dir / "checkpoint") as tmp:
+            save_file(tensors, str(tmp / "tensors.safetensors"))
+            (tmp / "state.json").write_text(json.dumps({**state, **extra}))
+            if fault is not None:
+                fault()
+    except OSError as err:
+        raise storage_error(run_dir / "checkpoint", err) from None
 
 
 def _load_checkpoint(
