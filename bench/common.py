@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -102,3 +103,14 @@ def read_result(name: str) -> dict[str, Any] | None:
     """bench/results/<name>.json, or None when that benchmark has not been run yet."""
     path = RESULTS / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def launch(cmd: list[str], log: Path, threads: int) -> float:
+    """Run ``cmd`` in a fresh process with ``threads`` threads; return its wall seconds."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    if code != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed (exit {code}); see {log}")
+    return round(time.perf_counter() - start, 1)

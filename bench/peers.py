@@ -21,27 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, fmt_spread, median_spread, row, write_result
+from bench.common import RESULTS, fmt_spread, launch, median_spread, row, write_result
 
 NAMES = ("essa", "grpo", "trl")
-
-
-def launch(cmd: list[str], log: Path, threads: int) -> float:
-    """Run ``cmd`` in a fresh process with ``threads`` threads; return its wall seconds."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    start = time.perf_counter()
-    with open(log, "w") as out:
-        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    if code != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed (exit {code}); see {log}")
-    return round(time.perf_counter() - start, 1)
 
 
 def commands(args: argparse.Namespace, seed: int, root: Path) -> dict[str, list[str]]:

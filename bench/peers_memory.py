@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from bench.common import fmt_spread, median_spread, row, write_result
+from bench.common import fmt_spread, launch, median_spread, row, write_result
 
 MB = 2**20
 TARGET = 0.5
@@ -60,16 +57,6 @@ def write_config(checkpoint: Path, args: argparse.Namespace, root: Path) -> Path
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
-
-
-def launch(cmd: list[str], log: Path, threads: int) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    start = time.perf_counter()
-    with open(log, "w") as out:
-        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    if code != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed (exit {code}); see {log}")
-    return round(time.perf_counter() - start, 1)
 
 
 def essa_cli(*args: str) -> list[str]:

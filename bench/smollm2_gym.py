@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from bench.common import row, write_result
+from bench.common import launch, row, write_result
 
 SETTINGS: dict[str, Any] = {
     "model": {"dtype": "float32"},
@@ -62,17 +59,8 @@ def write_config(checkpoint: Path, task: str, generations: int, threads: int, ou
 
 def essa_process(args: list[str], log: Path, threads: int) -> dict[str, Any]:
     """One `essa ...` in a fresh process; its wall time (the child's own VmHWM is in its JSON)."""
-    cmd = [sys.executable, "-m", "essa.cli", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    start = time.perf_counter()
-    with open(log, "w") as out:
-        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    if code != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed (exit {code}); see {log}")
-    return {
-        "command": "essa " + " ".join(args),
-        "wall_seconds": round(time.perf_counter() - start, 1),
-    }
+    seconds = launch([sys.executable, "-m", "essa.cli", *args], log, threads)
+    return {"command": "essa " + " ".join(args), "wall_seconds": seconds}
 
 
 def run(task: str, generations: int, threads: int, overrides: list[str], root: Path) -> dict:

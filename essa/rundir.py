@@ -68,6 +68,22 @@ def atomic_write_text(
     _fsync_dir(path.parent)
 
 
+@contextlib.contextmanager
+def stop_on_storage_error(run_dir: Path, done: int, unit: str) -> Iterator[None]:
+    """Re-raise a :class:`StorageError` of a step's writes with what was kept and how to go on.
+
+    ``done`` is the number of ``unit`` (generations, steps) the last complete checkpoint holds.
+    """
+    try:
+        yield
+    except StorageError as err:
+        kept = f"the last checkpoint ({done} {unit} done)" if done else "no checkpoint yet"
+        raise StorageError(
+            f"{err}; stopped, {kept} intact; free space and continue with: "
+            f"essa train --resume {run_dir}"
+        ) from None
+
+
 def atomic_write_json(
     path: Path, data: Any, *, before_rename: Callable[[], None] | None = None
 ) -> None:

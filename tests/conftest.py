@@ -44,3 +44,22 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def svd_setup(model_dir: Path) -> tuple[object, object, object]:
+    """(base model, tokenizer, SVDAdapter) of a rank-4 LoRA with random non-zero B on the tiny model."""
+    import torch
+
+    from essa.adapters import SVDAdapter
+    from essa.backends.hf import load_model
+    from essa.config import AdapterConfig, ModelConfig
+    from essa.recipes.sft import make_lora_model
+
+    model, tokenizer = load_model(ModelConfig(name_or_path=str(model_dir)))
+    peft_model = make_lora_model(model, AdapterConfig(rank=4, lora_alpha=8))
+    gen = torch.Generator().manual_seed(1)
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero; a trained adapter has non-zero B
+            param.data = torch.randn(param.shape, generator=gen) * 0.3
+    adapter = SVDAdapter.from_peft_model(peft_model, alpha=1.0)
+    return peft_model.unload(), tokenizer, adapter

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from essa.config import AdapterConfig, EvaluationConfig, GenerationConfig, ModelConfig
+from essa.config import EvaluationConfig, GenerationConfig
+from tests.conftest import svd_setup
 
 SYSTEM = "1234567890+9876543210="  # 22 shared tokens (this tokenizer drops spaces)
 PROMPTS = [SYSTEM + q for q in ("12+3=", "7+45=", "1+1=", "99+99=", "5*6=")]
@@ -26,19 +27,9 @@ def one_thread():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
-    from essa.adapters import SVDAdapter
-    from essa.backends.hf import load_model
-    from essa.recipes.sft import make_lora_model
-
-    model, tokenizer = load_model(ModelConfig(name_or_path=str(tiny_model_dir)))
-    peft_model = make_lora_model(model, AdapterConfig(rank=4, lora_alpha=8))
-    gen = torch.Generator().manual_seed(1)
-    for name, param in peft_model.named_parameters():
-        if "lora_B" in name:  # PEFT starts B at zero; a trained adapter has non-zero B
-            param.data = torch.randn(param.shape, generator=gen) * 0.3
-    adapter = SVDAdapter.from_peft_model(peft_model, alpha=1.0)
+    base, tokenizer, adapter = svd_setup(tiny_model_dir)
     X = np.random.default_rng(0).normal(size=(4, adapter.dim)) * adapter.stds() * 2.0
-    return peft_model.unload(), tokenizer, adapter, X
+    return base, tokenizer, adapter, X
 
 
 def evaluate(setup, strategy: str, micro_batch_size: int, use_prefix_cache: bool, prompts):  # type: ignore[no-untyped-def]

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from essa.config import AdapterConfig, EvaluationConfig, GenerationConfig, ModelConfig
+from essa.config import EvaluationConfig, GenerationConfig, ModelConfig
 from essa.errors import UserError
+from tests.conftest import svd_setup
 
 # Fast settings for CLI runs: the faults act during the ES loop, not on accuracy.
 FAST = [
@@ -67,18 +68,7 @@ def one_error_line(res: subprocess.CompletedProcess[str]) -> str:
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
-    from essa.adapters import SVDAdapter
-    from essa.backends.hf import load_model
-    from essa.recipes.sft import make_lora_model
-
-    model, tokenizer = load_model(ModelConfig(name_or_path=str(tiny_model_dir)))
-    peft_model = make_lora_model(model, AdapterConfig(rank=4, lora_alpha=8))
-    gen = torch.Generator().manual_seed(1)
-    for name, param in peft_model.named_parameters():
-        if "lora_B" in name:  # PEFT starts B at zero; a trained adapter has non-zero B
-            param.data = torch.randn(param.shape, generator=gen) * 0.3
-    adapter = SVDAdapter.from_peft_model(peft_model, alpha=1.0)
-    return peft_model.unload(), tokenizer, adapter
+    return svd_setup(tiny_model_dir)
 
 
 PROMPTS = ["12+3=", "7+45=", "1+1=", "99+99="]

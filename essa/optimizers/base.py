@@ -158,6 +158,38 @@ def update_best(
     return best_x, best_fitness
 
 
+class BestSoFar:
+    """The best finite candidate told so far, shared by every optimizer (NaN never wins)."""
+
+    _dim: int
+    _best_x: AdapterVector | None = None
+    _best_fitness: float = math.nan
+
+    @property
+    def best_x(self) -> AdapterVector | None:
+        return None if self._best_x is None else self._best_x.copy()
+
+    @property
+    def best_fitness(self) -> float:
+        return self._best_fitness
+
+    def _update_best(self, population: Population, fitness: Fitness) -> None:
+        self._best_x, self._best_fitness = update_best(
+            self._best_x, self._best_fitness, population, fitness
+        )
+
+    def _best_state(self) -> dict[str, Any]:
+        return {
+            "best_x": None if self._best_x is None else self._best_x.tolist(),
+            "best_fitness": float_to_json(self._best_fitness),
+        }
+
+    def _load_best(self, state: Mapping[str, Any]) -> None:
+        best = state["best_x"]
+        self._best_x = None if best is None else as_vector(best, self._dim, "best_x")
+        self._best_fitness = float_from_json(state["best_fitness"])
+
+
 def fitness_to_json(fitness: Fitness) -> list[float | None]:
     """Fitness as a JSON list; NaN (not valid JSON) becomes None."""
     return [None if math.isnan(value) else value for value in fitness.tolist()]

@@ -48,6 +48,7 @@ from typing import Any, Literal
 import numpy as np
 
 from essa.optimizers.base import (
+    BestSoFar,
     as_fitness,
     as_vector,
     canonical_json,
@@ -59,7 +60,6 @@ from essa.optimizers.base import (
     fitness_metrics,
     fitness_to_json,
     sha256_hex,
-    update_best,
 )
 from essa.optimizers.shaping import fill_failed
 from essa.types import AdapterVector, Fitness, Population
@@ -112,7 +112,7 @@ def resolve_variant(variant: Variant, dim: int, sep_above_dim: int) -> Literal["
     return variant
 
 
-class CMAES:
+class CMAES(BestSoFar):
     """CMA-ES over a (D,) vector with replicated, deterministic state; see the module docstring."""
 
     name = "cma_es"
@@ -155,8 +155,6 @@ class CMAES:
         self._history: list[list[float | None]] = []
         self._pending: list[np.ndarray] | None = None  # pycma's own arrays from the last ask
         self._pending_population: Population | None = None  # (P, D) stacked copy
-        self._best_x: AdapterVector | None = None
-        self._best_fitness = math.nan
         self._n_skipped = 0
 
     def _new_pycma(self) -> Any:
@@ -208,14 +206,6 @@ class CMAES:
     def generation(self) -> int:
         return len(self._history)
 
-    @property
-    def best_x(self) -> AdapterVector | None:
-        return None if self._best_x is None else self._best_x.copy()
-
-    @property
-    def best_fitness(self) -> float:
-        return self._best_fitness
-
     def ask(self) -> Population:
         """(P, D) candidates; the same population until ``tell``."""
         return self._ensure_pending().copy()
@@ -253,9 +243,7 @@ class CMAES:
             # Keep the population pending: pycma's TPA refuses a second ask() without a tell().
             self._n_skipped += 1
             return
-        self._best_x, self._best_fitness = update_best(
-            self._best_x, self._best_fitness, self._pending_population, fitness
-        )
+        self._update_best(self._pending_population, fitness)
         with _global_numpy_rng_preserved():
             self._es.tell(self._pending, (-fill_failed(fitness)).tolist())
         self._pending = None

@@ -22,7 +22,6 @@ Deviations from LISA (Pan et al., arXiv 2403.17919, Alg. 1) and project choices:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,14 +29,12 @@ import numpy as np
 
 from essa.optimizers import make_optimizer
 from essa.optimizers.base import (
+    BestSoFar,
     as_vector,
     canonical_json,
     check_same_config,
     check_state_header,
-    float_from_json,
-    float_to_json,
     sha256_hex,
-    update_best,
 )
 from essa.types import AdapterVector, Fitness, Population
 
@@ -83,7 +80,7 @@ def block_seed(seed: int, block: int) -> int:
     return int(state[0])
 
 
-class LayerwiseES:
+class LayerwiseES(BestSoFar):
     """An ES over a (D,) vector that searches gamma sampled layers' coordinates per interval.
 
     ``layer_indices[l]`` lists the coordinates of layer l (from the adapter's layout manifest).
@@ -140,8 +137,6 @@ class LayerwiseES:
         }
         self._start_block(0, np.zeros(dim), float(sigma0))
         self._generation = 0
-        self._best_x: AdapterVector | None = None
-        self._best_fitness = math.nan
 
     # ------------------------------------------------------------------ blocks
     def _start_block(self, block: int, anchor: AdapterVector, sigma: float) -> None:
@@ -196,14 +191,6 @@ class LayerwiseES:
     def generation(self) -> int:
         return self._generation
 
-    @property
-    def best_x(self) -> AdapterVector | None:
-        return None if self._best_x is None else self._best_x.copy()
-
-    @property
-    def best_fitness(self) -> float:
-        return self._best_fitness
-
     def ask(self) -> Population:
         """(P, D): the inner population on the active coordinates, the anchor elsewhere."""
         sub = self._inner.ask()  # (P, d)
@@ -220,9 +207,7 @@ class LayerwiseES:
         ):
             raise ValueError("tell() must receive the exact population returned by the last ask()")
         metrics = self._inner.tell(population[:, self._index], fitness)
-        self._best_x, self._best_fitness = update_best(
-            self._best_x, self._best_fitness, population, np.asarray(fitness, dtype=np.float64)
-        )
+        self._update_best(population, np.asarray(fitness, dtype=np.float64))
         self._generation += 1
         metrics.update(block=float(self._block), generation=float(self._generation))
         if self._generation % self._config["interval"] == 0:
@@ -243,8 +228,7 @@ class LayerwiseES:
             "anchor": self._anchor.tolist(),
             "block_sigma0": self._block_sigma0,
             "inner": self._inner.state_dict(),
-            "best_x": None if self._best_x is None else self._best_x.tolist(),
-            "best_fitness": float_to_json(self._best_fitness),
+            **self._best_state(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -255,9 +239,7 @@ class LayerwiseES:
         self._start_block(int(state["block"]), anchor, float(state["block_sigma0"]))
         self._inner.load_state_dict(state["inner"])
         self._generation = int(state["generation"])
-        best = state["best_x"]
-        self._best_x = None if best is None else as_vector(best, self._dim, "best_x")
-        self._best_fitness = float_from_json(state["best_fitness"])
+        self._load_best(state)
 
     def checksum(self) -> str:
         """sha256 over this wrapper's state and the inner optimizer's own checksum."""

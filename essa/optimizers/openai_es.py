@@ -28,6 +28,7 @@ from typing import Any, Literal
 import numpy as np
 
 from essa.optimizers.base import (
+    BestSoFar,
     as_fitness,
     as_vector,
     canonical_json,
@@ -36,10 +37,7 @@ from essa.optimizers.base import (
     check_same_config,
     check_state_header,
     fitness_metrics,
-    float_from_json,
-    float_to_json,
     sha256_hex,
-    update_best,
 )
 from essa.optimizers.shaping import centered_ranks, z_score
 from essa.optimizers.steps import adam_step, sgd_step
@@ -87,7 +85,7 @@ def _check_options(
         raise ValueError(f"l2coeff must be finite and >= 0, got {l2coeff!r}")
 
 
-class OpenAIES:
+class OpenAIES(BestSoFar):
     """Seed-based antithetic OpenAI-ES with Adam or SGD; see the module docstring."""
 
     name = "openai_es"
@@ -144,8 +142,6 @@ class OpenAIES:
         self._t = 0  # number of steps applied (skipped generations excluded)
         self._generation = 0
         self._n_skipped = 0
-        self._best_x: AdapterVector | None = None
-        self._best_fitness = math.nan
         self._pending: Population | None = None
 
     @property
@@ -167,14 +163,6 @@ class OpenAIES:
     @property
     def generation(self) -> int:
         return self._generation
-
-    @property
-    def best_x(self) -> AdapterVector | None:
-        return None if self._best_x is None else self._best_x.copy()
-
-    @property
-    def best_fitness(self) -> float:
-        return self._best_fitness
 
     def _unit_noise(self) -> np.ndarray:
         """(P/2, D) unit noise of the current generation."""
@@ -204,9 +192,7 @@ class OpenAIES:
         if all_failed:
             self._n_skipped += 1
         else:
-            self._best_x, self._best_fitness = update_best(
-                self._best_x, self._best_fitness, self._pending, fitness
-            )
+            self._update_best(self._pending, fitness)
             step_metrics = self._step(fitness)
         self._generation += 1
         self._pending = None
@@ -262,8 +248,7 @@ class OpenAIES:
             "mean": self._mean.tolist(),
             "moment1": self._moment1.tolist(),
             "moment2": self._moment2.tolist(),
-            "best_x": None if self._best_x is None else self._best_x.tolist(),
-            "best_fitness": float_to_json(self._best_fitness),
+            **self._best_state(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -276,9 +261,7 @@ class OpenAIES:
         self._mean = as_vector(state["mean"], self._dim, "mean")
         self._moment1 = as_vector(state["moment1"], self._dim, "moment1")
         self._moment2 = as_vector(state["moment2"], self._dim, "moment2")
-        best_x = state["best_x"]
-        self._best_x = None if best_x is None else as_vector(best_x, self._dim, "best_x")
-        self._best_fitness = float_from_json(state["best_fitness"])
+        self._load_best(state)
         self._pending = None
 
     def checksum(self) -> str:

@@ -27,7 +27,13 @@ import numpy as np
 from essa.config import Config, dump_config
 from essa.dist import Comm
 from essa.errors import UserError
-from essa.rundir import MetricsLog, StorageError, atomic_write_json, atomic_write_text, recover
+from essa.rundir import (
+    MetricsLog,
+    atomic_write_json,
+    atomic_write_text,
+    recover,
+    stop_on_storage_error,
+)
 from essa.types import AdapterVector, Example
 
 
@@ -119,8 +125,10 @@ def run(
     with _progress(cfg, console, opt.generation) as advance, _Interrupt() as interrupt:
         while opt.generation < cfg.run.generations:
             g = opt.generation
-            record = _generation(cfg, g, opt, evaluator, task.train, train_prompts, reward, comm)
-            _track_best(state, record.pop("_population"), record.pop("_fitness"))
+            record, population, fitness = _generation(
+                cfg, g, opt, evaluator, task.train, train_prompts, reward, comm
+            )
+            _track_best(state, population, fitness)
             if cfg.evaluation.every and (g + 1) % cfg.evaluation.every == 0:
                 record["heldout_accuracy"] = heldout(opt.mean)
             state["elapsed"] = elapsed_before + time.perf_counter() - wall_start
@@ -156,12 +164,8 @@ def _generation(
     prompts: list[str],
     reward: Any,
     comm: Comm,
-) -> dict[str, Any]:
-    """One ask / evaluate / tell on every rank; the generation's metrics record.
-
-    The record also carries the population and its fitness under ``_population`` and
-    ``_fitness`` for the caller to pop (they are not logged).
-    """
+) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+    """One ask / evaluate / tell on every rank: the metrics record, population (P, D), fitness (P,)."""
     from essa.dist import check_replicas
 
     start = time.perf_counter()
@@ -178,7 +182,7 @@ def _generation(
     record = _generation_record(g, fitness, opt_metrics, seconds, tokens, evaluator)
     record.update(world_size=comm.world_size, comm_bytes=comm.comm_bytes - bytes_before)
     record.update(faults)
-    return {**record, "_population": population, "_fitness": fitness}
+    return record, population, fitness
 
 
 def _persist(
@@ -193,16 +197,10 @@ def _persist(
     """Append generation g's record, then checkpoint; a storage fault stops with the way on."""
     # Metrics first: a kill between the two writes redoes generation g on resume, which drops
     # and rewrites its record; the other order could lose the record.
-    try:
+    with stop_on_storage_error(run_dir, g, "generations"):
         metrics.write(record)
         if is_root:
             _save_checkpoint(run_dir, opt, state)
-    except StorageError as err:
-        kept = f"the last checkpoint ({g} generations done)" if g else "no checkpoint yet"
-        raise StorageError(
-            f"{err}; stopped, {kept} intact; free space and continue with: "
-            f"essa train --resume {run_dir}"
-        ) from None
 
 
 def _vllm_evaluator(cfg: Config, tokenizer: Any, adapter: Any, comm: Comm) -> Any:

@@ -45,10 +45,10 @@ from essa.errors import UserError
 from essa.recipes import grpo_losses as losses
 from essa.rundir import (
     MetricsLog,
-    StorageError,
     atomic_dir,
     atomic_write_json,
     recover,
+    stop_on_storage_error,
     storage_error,
 )
 
@@ -696,16 +696,9 @@ def _persist(
     """Append the step's record, then checkpoint; a storage fault stops with the way on."""
     # Metrics first: a kill between the two writes redoes the step on resume, which drops and
     # rewrites its record; the other order could lose the record.
-    try:
+    with stop_on_storage_error(run_dir, state["step"] - 1, "steps"):
         metrics.write(record)
         _save_checkpoint(run_dir, policy, optimizer, state)
-    except StorageError as err:
-        done = state["step"] - 1
-        kept = f"the last checkpoint ({done} steps done)" if done else "no checkpoint yet"
-        raise StorageError(
-            f"{err}; stopped, {kept} intact; free space and continue with: "
-            f"essa train --resume {run_dir}"
-        ) from None
 
 
 def _save_checkpoint(
