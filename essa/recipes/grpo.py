@@ -31,7 +31,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,18 +39,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from essa.config import Config, dump_config, to_dict
+from essa.config import Config, to_dict
 from essa.dist import Comm
 from essa.errors import UserError
+from essa.harness import Harness, Phase
 from essa.recipes import grpo_losses as losses
-from essa.rundir import (
-    MetricsLog,
-    atomic_dir,
-    atomic_write_json,
-    recover,
-    stop_on_storage_error,
-    storage_error,
-)
+from essa.rewards.base import Reward
+from essa.rundir import atomic_dir, recover, storage_error
 
 MAX_SAMPLING_ROUNDS = 4  # prompt batches drawn per step at most when groups are filtered
 
@@ -64,38 +59,38 @@ def run(
     comm: Comm | None = None,
 ) -> dict[str, Any]:
     """Train with the configured GRPO variant; return the summary (also in summary.json)."""
-    from essa.backends.hf import load_model
-    from essa.backends.memory import model_bytes
+    from essa.backends.memory import memory_metrics, model_bytes
     from essa.dist import get_comm
-    from essa.recipes.common import load_or_train_adapter, load_task, seed_everything
+    from essa.recipes import common
+    from essa.rewards.loading import load_reward
 
-    wall_start = time.perf_counter()
     comm = get_comm() if comm is None else comm
     if comm.world_size > 1:
         raise UserError(
             f"algorithm: grpo runs in one process for now (got {comm.world_size} ranks); "
             "launch it without mpiexec/srun"
         )
+    h = Harness(cfg, run_dir, resume=resume, console=console, comm=comm, unit="steps")
     g = cfg.grpo
     variant = losses.get_variant(g.loss)
-    seed_everything(cfg.run.seed)
-    task = load_task(cfg.data, cfg.run.seed)
-    reward = _reward(cfg)
-    model, tokenizer = load_model(cfg.model)
+    common.seed_everything(cfg.run.seed)
+    task = common.load_task(cfg.data, cfg.run.seed)
+    # Group rewards work as is: each prompt's G completions come in one call.
+    reward = load_reward(cfg.reward, recipe="GRPO", groups=True, deadline=False)
+    model, tokenizer = common.load_base_model(cfg, h)
     base_bytes = model_bytes(model)  # the base weights as stored, as ESSA reports them
-    if not resume:
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
-    peft_model, sft_dir = load_or_train_adapter(cfg, model, tokenizer, task, run_dir, console)
+    peft_model, sft_dir = common.load_or_train_adapter(
+        cfg, model, tokenizer, task, run_dir, h.reporter
+    )
     policy = Policy.build(peft_model, g.trainable, cfg.adapter.alpha, _beta(cfg) != 0.0)
     optimizer = _make_optimizer(cfg, policy)
     data = _Data.build(task, cfg, tokenizer)
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
     state = _load_checkpoint(run_dir, policy, optimizer) if resume else None
+    state = h.restore(state, done=state["step"] if state else 0)
     if state is None:
-        metrics.truncate_after(-2)
-        baseline = heldout_accuracy(policy, tokenizer, data, cfg)
+        baseline = heldout_accuracy(policy, tokenizer, data, cfg, h, "held-out baseline")
         state = {"step": 0, "baseline_accuracy": baseline, "elapsed": 0.0, "history": {}}
-        metrics.write(
+        h.metrics.write(
             {
                 "generation": -1,
                 "event": "baseline",
@@ -104,30 +99,41 @@ def run(
                 "variant": _preset(cfg),
             }
         )
-    else:
-        metrics.truncate_after(state["step"] - 1)
-    _say(
-        console,
+    h.say(
         f"GRPO ({g.loss}, trainable={g.trainable}): {policy.dim} parameters, "
         f"{g.prompts_per_step} prompts x G={g.group_size} per step, "
-        f"held-out baseline {state['baseline_accuracy']:.3f}",
+        f"held-out baseline {state['baseline_accuracy']:.3f}"
     )
-    elapsed_before = state["elapsed"]
-    while state["step"] < cfg.run.generations:
-        step = state["step"]
-        record = train_step(cfg, variant, policy, optimizer, tokenizer, reward, data, state)
-        if cfg.evaluation.every and (step + 1) % cfg.evaluation.every == 0:
-            record["heldout_accuracy"] = heldout_accuracy(policy, tokenizer, data, cfg)
-        state["step"] = step + 1
-        state["elapsed"] = elapsed_before + time.perf_counter() - wall_start
-        _persist(run_dir, record, metrics, policy, optimizer, state)
-        _report(console, cfg, record)
-        if cfg.run.max_wall_seconds and state["elapsed"] > cfg.run.max_wall_seconds:
-            _say(console, f"stopping: run.max_wall_seconds={cfg.run.max_wall_seconds} reached")
-            break
-    state["elapsed"] = elapsed_before + time.perf_counter() - wall_start
-    state["model_bytes"] = base_bytes
-    return _finish(cfg, run_dir, policy, tokenizer, data, state, sft_dir, wall_start, console)
+    for step in h.steps(state["step"], show=_shown):
+        record = train_step(
+            cfg, variant, policy, optimizer, tokenizer, reward, data, state, step.progress
+        )
+        if h.due(step.index, cfg.evaluation.every):
+            record["heldout_accuracy"] = heldout_accuracy(policy, tokenizer, data, cfg, h)
+        state.update(step=step.index + 1, elapsed=h.elapsed)
+        step.finish(record, lambda: _save_checkpoint(run_dir, policy, optimizer, state))
+    final = heldout_accuracy(policy, tokenizer, data, cfg, h, "final held-out")
+    adapter_dir = run_dir / "adapter"
+    with h.phase("export"):
+        policy.export(adapter_dir, cfg.model.name_or_path)
+    summary = h.summary(
+        baseline=state["baseline_accuracy"],
+        final=final,
+        steps=state["step"],
+        adapter_dir=adapter_dir,
+        algorithm="grpo",
+        loss=g.loss,
+        trainable=g.trainable,
+        sft_adapter_dir=sft_dir,
+        selected="final",
+        scale_baseline=None,
+        dim=policy.dim,
+        test_size=len(data.test),
+        variant=_preset(cfg),
+        grpo=to_dict(g),
+        **memory_metrics(base_bytes),
+    )
+    return h.finish(summary)
 
 
 def _beta(cfg: Config) -> float:
@@ -153,21 +159,6 @@ def _make_optimizer(cfg: Config, policy: Policy) -> Any:
         train_head=g.lisa.train_head,
         config_key="grpo.lisa",
     )
-
-
-def _reward(cfg: Config) -> Any:
-    from essa.rewards import get_reward
-
-    try:
-        reward = get_reward(cfg.reward.name, **cfg.reward.params)
-    except (ValueError, ImportError) as err:
-        raise UserError(f"reward.name: {err}") from None
-    if reward.needs:
-        raise UserError(
-            f"reward.name: {cfg.reward.name} needs {sorted(reward.needs)}, which the GRPO "
-            "recipe does not provide yet"
-        )
-    return reward  # group rewards work as is: each prompt's G completions come in one call
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,8 +326,12 @@ def rollout(
     prompts: Sequence[str],
     cfg: Config,
     seed: int,
+    progress: Callable[[int], None] | None = None,
 ) -> Rollout:
-    """Sample one completion per prompt row at grpo.temperature (HF generate)."""
+    """Sample one completion per prompt row at grpo.temperature (HF generate).
+
+    ``progress(rows)`` is called after each micro-batch.
+    """
     model = policy.model
     device = next(model.parameters()).device
     batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
@@ -357,6 +352,8 @@ def rollout(
                 eos_token_id=tokenizer.eos_token_id,
             )
             chunks.append(out[:, part["input_ids"].shape[1] :].cpu())  # (b, T_chunk)
+            if progress is not None:
+                progress(len(part["input_ids"]))
     width = max(c.shape[1] for c in chunks)
     completion = torch.cat(
         [
@@ -422,9 +419,10 @@ def sample_groups(
     variant: losses.Variant,
     policy: Policy,
     tokenizer: Any,
-    reward: Any,
+    reward: Reward,
     data: _Data,
     step: int,
+    rows: Callable[[int], Phase] | None = None,
 ) -> tuple[_Groups, dict[str, float]]:
     """Draw prompts, sample G completions each, score; resample when the variant filters."""
     g = cfg.grpo
@@ -440,7 +438,11 @@ def sample_groups(
         prompts = [data.train_prompts[i] for i in idx for _ in range(g.group_size)]
         answers = [data.train[i].answer for i in idx for _ in range(g.group_size)]
         seed = int(np.random.SeedSequence([cfg.run.seed, 10, step, rounds]).generate_state(1)[0])
-        out = rollout(policy, tokenizer, prompts, cfg, seed)
+        if rows is None:
+            out = rollout(policy, tokenizer, prompts, cfg, seed)
+        else:
+            with rows(len(prompts)) as bar:
+                out = rollout(policy, tokenizer, prompts, cfg, seed, progress=bar.advance)
         scores = reward(out.texts, answers, prompts)
         rewards = torch.tensor([math.nan if s is None else float(s) for s in scores])  # (B,)
         if g.overlong_buffer:
@@ -525,15 +527,19 @@ def train_step(
     policy: Policy,
     optimizer: torch.optim.Optimizer,
     tokenizer: Any,
-    reward: Any,
+    reward: Reward,
     data: _Data,
     state: dict[str, Any],
+    rows: Callable[[int], Phase] | None = None,
 ) -> dict[str, Any]:
-    """Sample, score, form advantages and update; returns the step's metrics record."""
+    """Sample, score, form advantages and update; returns the step's metrics record.
+
+    ``rows(n)`` opens the progress bar of a sampling round of n completions.
+    """
     g = cfg.grpo
     step = state["step"]
     start = time.perf_counter()
-    groups, stats = sample_groups(cfg, variant, policy, tokenizer, reward, data, step)
+    groups, stats = sample_groups(cfg, variant, policy, tokenizer, reward, data, step, rows)
     record: dict[str, Any] = {"generation": step, **stats}
     if not groups.prompt_ids:  # every group was filtered away: nothing to learn from
         record.update(seconds=round(time.perf_counter() - start, 4), skipped=True)
@@ -655,20 +661,30 @@ def lr_factor(step: int, cfg: Config) -> float:
     return 1.0
 
 
-def heldout_accuracy(policy: Policy, tokenizer: Any, data: _Data, cfg: Config) -> float:
+def heldout_accuracy(
+    policy: Policy,
+    tokenizer: Any,
+    data: _Data,
+    cfg: Config,
+    h: Harness | None = None,
+    name: str = "held-out",
+) -> float:
     """Greedy pass@1 on the fixed test split (the same helper and split as ESSA)."""
     from essa.backends.hf import generate_texts
+    from essa.harness import Reporter
     from essa.recipes.common import accuracy
 
     if not data.test:
         return float("nan")
-    with policy.inference():
+    reporter = h.reporter if h is not None else Reporter(None)
+    with policy.inference(), reporter.phase(name, len(data.test), unit="rows") as bar:
         texts, _ = generate_texts(
             policy.model,
             tokenizer,
             data.test_prompts,
             cfg.generation,
             micro_batch_size=cfg.evaluation.micro_batch_size,
+            progress=bar.advance,
         )
     return accuracy(texts, data.test, data.test_prompts)
 
@@ -683,22 +699,6 @@ def _history_to_json(history: dict[int, losses.PromptStats]) -> dict[str, list[f
 
 def _history_from_json(data: dict[str, list[float]]) -> dict[int, losses.PromptStats]:
     return {int(k): losses.PromptStats(int(v[0]), v[1], v[2]) for k, v in data.items()}
-
-
-def _persist(
-    run_dir: Path,
-    record: dict[str, Any],
-    metrics: MetricsLog,
-    policy: Policy,
-    optimizer: torch.optim.Optimizer,
-    state: dict[str, Any],
-) -> None:
-    """Append the step's record, then checkpoint; a storage fault stops with the way on."""
-    # Metrics first: a kill between the two writes redoes the step on resume, which drops and
-    # rewrites its record; the other order could lose the record.
-    with stop_on_storage_error(run_dir, state["step"] - 1, "steps"):
-        metrics.write(record)
-        _save_checkpoint(run_dir, policy, optimizer, state)
 
 
 def _save_checkpoint(
@@ -775,64 +775,9 @@ def _preset(cfg: Config) -> dict[str, Any]:
     return preset
 
 
-def _finish(
-    cfg: Config,
-    run_dir: Path,
-    policy: Policy,
-    tokenizer: Any,
-    data: _Data,
-    state: dict[str, Any],
-    sft_dir: str,
-    wall_start: float,
-    console: Any,
-) -> dict[str, Any]:
-    from essa.backends.memory import memory_metrics
-
-    t0 = time.perf_counter()
-    final = heldout_accuracy(policy, tokenizer, data, cfg)
-    adapter_dir = run_dir / "adapter"
-    policy.export(adapter_dir, cfg.model.name_or_path)
-    summary = {
-        "algorithm": "grpo",
-        "loss": cfg.grpo.loss,
-        "trainable": cfg.grpo.trainable,
-        "baseline_accuracy": state["baseline_accuracy"],
-        "final_accuracy": final,
-        "improvement": final - state["baseline_accuracy"],
-        "generations": state["step"],
-        "wall_seconds": round(state["elapsed"] + time.perf_counter() - t0, 2),
-        "process_wall_seconds": round(time.perf_counter() - wall_start, 2),
-        "adapter_dir": str(adapter_dir),
-        "sft_adapter_dir": sft_dir,
-        "selected": "final",
-        "scale_baseline": None,
-        "dim": policy.dim,
-        "test_size": len(data.test),
-        "variant": _preset(cfg),
-        "grpo": to_dict(cfg.grpo),
-        **memory_metrics(state["model_bytes"]),
-    }
-    atomic_write_json(run_dir / "summary.json", summary)
-    _say(
-        console,
-        f"held-out accuracy {summary['baseline_accuracy']:.3f} -> {final:.3f} "
-        f"({summary['improvement']:+.3f}); adapter: {adapter_dir}",
-    )
-    return summary
-
-
-def _report(console: Any, cfg: Config, record: dict[str, Any]) -> None:
-    if console is None or not cfg.run.show_progress:
-        return
-    text = (
-        f"step {record['generation'] + 1}/{cfg.run.generations}: reward {record['mean_reward']:.3f}"
-    )
+def _shown(record: dict[str, Any]) -> dict[str, Any]:
+    """The loop's console fields."""
+    shown = {"reward": record["mean_reward"], "loss": record.get("loss")}
     if "heldout_accuracy" in record:
-        text += f" held-out {record['heldout_accuracy']:.3f}"
-    if "heldout_accuracy" in record or (record["generation"] + 1) % 10 == 0:
-        console.print(text)
-
-
-def _say(console: Any, text: str) -> None:
-    if console is not None:
-        console.print(text)
+        shown["held-out"] = record["heldout_accuracy"]
+    return shown
