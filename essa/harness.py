@@ -19,6 +19,7 @@ metrics.jsonl (essa compare, bench/, tests) take every line as a generation or b
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -29,7 +30,14 @@ from typing import Any
 
 from essa.config import Config, dump_config
 from essa.dist import Comm, any_rank
-from essa.rundir import MetricsLog, atomic_write_json, atomic_write_text, stop_on_storage_error
+from essa.errors import UserError
+from essa.rundir import (
+    MetricsLog,
+    atomic_write_json,
+    atomic_write_text,
+    recover,
+    stop_on_storage_error,
+)
 
 JSONDict = dict[str, Any]
 
@@ -122,6 +130,8 @@ class Reporter:
     ) -> None:
         self.console = console
         self.show = show_progress and console is not None
+        # Live bars only where they redraw in place; a pipe or file gets the closing lines.
+        self.live = self.show and (console.is_terminal or console.is_jupyter)
         self.log = log
         self.bar: Any = None  # one rich Progress for all open phases (rich allows one live view)
         self._open_phases = 0
@@ -143,7 +153,7 @@ class Reporter:
         return Phase(self, name, total, unit, start, log)
 
     def _open(self, phase: Phase) -> Any:
-        if not self.show:
+        if not self.live:
             return None
         if self.bar is None:
             self.bar = self._progress()
@@ -369,3 +379,37 @@ class Step:
         if budget and any_rank(h.comm, h.elapsed > budget):
             return f"stopping: run.max_wall_seconds={budget} reached"
         return None
+
+
+def write_json_checkpoint(run_dir: Path, data: JSONDict, step: int) -> None:
+    """RUN_DIR/checkpoint.json, replaced atomically (plain JSON: nothing read back is executed)."""
+    from essa.faults import checkpoint_fault
+
+    atomic_write_json(
+        run_dir / "checkpoint.json",
+        data,
+        before_rename=checkpoint_fault(step),  # None unless ESSA_FAULT is set (tests)
+    )
+
+
+def read_json_checkpoint(run_dir: Path, restore: Callable[[JSONDict], None]) -> JSONDict | None:
+    """The checkpoint's data after ``restore(data)`` took its part; None when there is none.
+
+    A checkpoint that cannot be restored is one UserError line, never a traceback.
+    """
+    path = run_dir / "checkpoint.json"
+    recover(path)
+    if not path.exists():
+        return None
+    try:
+        data: JSONDict = json.loads(path.read_text())
+        restore(data)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
+        # Atomic writes never leave a torn checkpoint; this one was edited, damaged, or was
+        # written under another optimizer setting (--set on resume).
+        first = str(err).splitlines()[0] if str(err) else "invalid"
+        raise UserError(
+            f"{path}: cannot resume from this checkpoint ({type(err).__name__}: {first}); "
+            "start a new run or restore the file"
+        ) from None
+    return data

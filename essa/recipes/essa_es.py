@@ -17,7 +17,7 @@ Deviations from the paper (see ../shared/spec/essa.md §4):
 
 from __future__ import annotations
 
-import json
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +27,7 @@ import numpy as np
 
 from essa.config import Config
 from essa.dist import Comm
-from essa.errors import UserError
-from essa.harness import Harness, Phase
+from essa.harness import Harness, Phase, read_json_checkpoint, write_json_checkpoint
 from essa.protocols import Evaluator, Optimizer
 from essa.recipes.fitness import (
     accuracy_of,
@@ -41,7 +40,6 @@ from essa.recipes.fitness import (
     track_best,
 )
 from essa.rewards.base import Reward
-from essa.rundir import atomic_write_json, recover
 from essa.types import AdapterVector, Example, Fitness, Population
 
 if TYPE_CHECKING:
@@ -49,6 +47,7 @@ if TYPE_CHECKING:
     from essa.recipes.common import Task
 
 Heldout = Callable[[AdapterVector, str], float]
+_LOGPROBS = frozenset({"completion_logprobs"})
 
 
 def run(
@@ -74,8 +73,7 @@ def run(
     common.seed_everything(cfg.run.seed)
     task = common.load_task(cfg.data, cfg.run.seed)
     vllm = cfg.backend == "vllm"  # it returns the sampled tokens' log-probs too
-    provides = frozenset({"completion_logprobs"} if vllm else ())
-    reward = load_reward(cfg.reward, recipe="ESSA", provides=provides)
+    reward = load_reward(cfg.reward, recipe="ESSA", provides=_LOGPROBS if vllm else frozenset())
     model, tokenizer = common.load_base_model(cfg, h)
     base_bytes = model_bytes(model)  # the base weights as stored (quantised ones packed)
     peft_model, sft_dir = common.adapter_on_every_rank(cfg, model, tokenizer, task, h)
@@ -85,21 +83,13 @@ def run(
     evaluator = population_evaluator(cfg, base, tokenizer, adapter, h.comm.world_size)
     train_prompts = common.render_prompts(task.train, cfg.data.template, tokenizer)
     test_prompts = common.render_prompts(task.test, cfg.data.template, tokenizer)
-
-    def heldout(vector: AdapterVector, name: str = "held-out") -> float:
-        if not h.is_root:
-            return float("nan")  # rank 0 alone reports it; it never feeds back into training
-        with h.phase(name, len(test_prompts), unit="rows") as bar:
-            return accuracy_of(evaluator, vector, task.test, test_prompts, bar.advance)
-
+    heldout = functools.partial(_heldout, h, evaluator, task.test, test_prompts)
     opt = common.make_es_optimizer(cfg, adapter)
-    state = h.restore(_load_checkpoint(run_dir, opt) if resume else None, done=opt.generation)
+    loaded = _load_checkpoint(run_dir, opt) if resume else None
+    state = h.restore(loaded, done=opt.generation)  # the generations the checkpoint holds
     if state is None:
         state = _initial_state(cfg, h, evaluator, adapter, task, train_prompts, reward, heldout)
-        baseline = {"heldout_accuracy": state["baseline_accuracy"], "dim": adapter.dim}
-        h.metrics.write(
-            {"generation": -1, "event": "baseline", **baseline, **memory_metrics(base_bytes)}
-        )
+        h.metrics.write(_baseline_record(state, adapter.dim, memory_metrics(base_bytes)))
     h.say(
         f"ESSA: D={adapter.dim} singular-value offsets, population "
         f"{cfg.optimizer.population_size}, {cfg.data.batch_size} prompts/generation, "
@@ -119,6 +109,21 @@ def run(
     if not h.is_root:
         return {}  # rank 0 alone evaluates, exports and writes the summary
     return _finish(cfg, h, adapter, opt, state, heldout, sft_dir)
+
+
+def _heldout(
+    h: Harness,
+    evaluator: Evaluator,
+    examples: list[Example],
+    prompts: list[str],
+    vector: AdapterVector,
+    name: str = "held-out",
+) -> float:
+    """Held-out accuracy of ``vector`` (rank 0 alone; it never feeds back into training)."""
+    if not h.is_root:
+        return float("nan")
+    with h.phase(name, len(prompts), unit="rows") as bar:
+        return accuracy_of(evaluator, vector, examples, prompts, bar.advance)
 
 
 def _generation(
@@ -226,33 +231,27 @@ def _shown(record: dict[str, Any]) -> dict[str, Any]:
     return shown
 
 
-def _save_checkpoint(run_dir: Path, opt: Optimizer, state: dict[str, Any]) -> None:
-    from essa.faults import checkpoint_fault
+def _baseline_record(
+    state: dict[str, Any], dim: int, memory: dict[str, float | int]
+) -> dict[str, Any]:
+    """metrics.jsonl's first line: the SFT adapter's held-out accuracy (generation -1)."""
+    accuracy = state["baseline_accuracy"]
+    return {
+        "generation": -1,
+        "event": "baseline",
+        "dim": dim,
+        "heldout_accuracy": accuracy,
+        **memory,
+    }
 
-    atomic_write_json(
-        run_dir / "checkpoint.json",
-        {"optimizer": opt.state_dict(), **state},
-        before_rename=checkpoint_fault(opt.generation),  # None unless ESSA_FAULT is set (tests)
-    )
+
+def _save_checkpoint(run_dir: Path, opt: Optimizer, state: dict[str, Any]) -> None:
+    """checkpoint.json: the optimizer's plain-data state and the recipe's (best, elapsed, ...)."""
+    write_json_checkpoint(run_dir, {"optimizer": opt.state_dict(), **state}, opt.generation)
 
 
 def _load_checkpoint(run_dir: Path, opt: Optimizer) -> dict[str, Any] | None:
-    recover(run_dir / "checkpoint.json")
-    path = run_dir / "checkpoint.json"
-    if not path.exists():
-        return None
-    try:
-        data: dict[str, Any] = json.loads(path.read_text())
-        opt.load_state_dict(data.pop("optimizer"))
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
-        # Atomic writes never leave a torn checkpoint; this one was edited, damaged, or was
-        # written under another optimizer setting (--set on resume).
-        raise UserError(
-            f"{path}: cannot resume from this checkpoint ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else 'invalid'}); start a new run or "
-            "restore the file"
-        ) from None
-    return data
+    return read_json_checkpoint(run_dir, lambda data: opt.load_state_dict(data.pop("optimizer")))
 
 
 def _finish(
