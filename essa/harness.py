@@ -186,11 +186,12 @@ class Reporter:
     def _close(self, phase: Phase, *, failed: bool) -> None:
         seconds = phase.seconds
         if phase._task is not None:
-            self.bar.remove_task(phase._task)
             self._open_phases -= 1
-            if self._open_phases == 0:
+            if self._open_phases == 0:  # stopped with its last bar, so no empty line is left
                 self.bar.stop()
                 self.bar = None
+            else:
+                self.bar.remove_task(phase._task)
         if not phase.log or failed:
             return
         if self.log is not None:
