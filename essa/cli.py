@@ -10,7 +10,6 @@ import functools
 import json
 import logging
 import os
-import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -316,4 +315,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

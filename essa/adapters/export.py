@@ -87,7 +87,7 @@ def _lora_config(
         target_modules = sorted({name.rsplit(".", 1)[-1] for name in adapter.module_names})
     return LoraConfig(
         r=r,
-        lora_alpha=lora_alpha,
+        lora_alpha=lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int; floats work
         target_modules=list(target_modules),
         rank_pattern=rank_pattern,
         alpha_pattern=alpha_pattern,

@@ -118,7 +118,7 @@ class PopulationEvaluator:
         self, population: Population, prompts: Sequence[str], seed: int | None
     ) -> list[list[str]]:
         self._flags = []
-        strategy = self.cfg.strategy
+        strategy: str = self.cfg.strategy
         if strategy == "auto" and self.quantized:
             strategy = self.chosen[len(prompts)] = "batched"
         if strategy == "auto":

@@ -118,7 +118,7 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
             f"model.name_or_path: cannot load model from {path}: {_first_line(err)}"
         ) from None
     if cfg.quantization == "none":
-        model.to(device)  # quantised models are placed by device_map (8-bit ones refuse .to)
+        model.to(device)  # type: ignore[arg-type]  # quantised models are placed by device_map (8-bit ones refuse .to)
     else:
         disable_cpu_weight_packing(model)
     model.eval()

@@ -12,6 +12,7 @@ import numpy as np
 from essa.errors import UserError
 from essa.protocols import Evaluator, LogprobEvaluator, RowProgress
 from essa.rewards.base import Reward
+from essa.rewards.logprob import LogprobReward
 from essa.types import AdapterVector, Example, Fitness, Population
 
 
@@ -31,7 +32,8 @@ def scores(
     """Per candidate, the reward of each completion; log-prob rewards take the backend's."""
     if not reward.needs:
         return [reward(t, answers, prompts) for t in texts]
-    assert isinstance(evaluator, LogprobEvaluator)  # load_reward admitted it for this backend
+    # load_reward admits log-prob rewards only on a backend that returns the log-probs.
+    assert isinstance(reward, LogprobReward) and isinstance(evaluator, LogprobEvaluator)
     return [
         reward.score_with_logprobs(t, answers, prompts, logprobs)
         for t, logprobs in zip(texts, evaluator.last_logprobs, strict=True)

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -46,6 +46,11 @@ from essa.harness import Harness, Phase
 from essa.recipes import grpo_losses as losses
 from essa.rewards.base import Reward
 from essa.rundir import atomic_dir, recover, storage_error
+from essa.types import Example
+
+if TYPE_CHECKING:
+    from essa.adapters.svd import SVDAdapter
+    from essa.recipes.common import Task
 
 MAX_SAMPLING_ROUNDS = 4  # prompt batches drawn per step at most when groups are filtered
 
@@ -172,7 +177,7 @@ class Policy:
     model: Any  # PeftModel; its LoRA weights are either trained or parametrized by ``params``
     params: list[torch.Tensor]  # the trainable tensors
     reference: list[torch.Tensor]  # their SFT values: the KL reference and the baseline
-    svd: Any = None  # SVDAdapter when trainable == singular_values
+    svd: SVDAdapter | None = None  # when trainable == singular_values
 
     @classmethod
     def build(
@@ -259,15 +264,12 @@ class _FactorFromSingularValues(torch.nn.Module):
         return (self.u * s) @ self.v.T  # (rows, cols)
 
 
-def _parametrize_singular_values(peft_model: Any, alpha: float) -> tuple[Any, torch.Tensor]:
+def _parametrize_singular_values(peft_model: Any, alpha: float) -> tuple[SVDAdapter, torch.Tensor]:
     from torch.nn.utils import parametrize
 
-    from essa.adapters import SVDAdapter
+    from essa.recipes.common import svd_adapter
 
-    try:
-        svd = SVDAdapter.from_peft_model(peft_model, alpha=alpha)
-    except ValueError as err:
-        raise UserError(f"adapter: {err}") from None
+    svd = svd_adapter(peft_model, alpha)
     device = next(peft_model.parameters()).device
     offsets = torch.nn.Parameter(torch.zeros(svd.dim, device=device))  # (D,) zero = SFT
     layers = dict(peft_model.named_modules())
@@ -292,13 +294,13 @@ def _parametrize_singular_values(peft_model: Any, alpha: float) -> tuple[Any, to
 
 @dataclass(frozen=True)
 class _Data:
-    train: list[Any]  # Example
+    train: list[Example]
     train_prompts: list[str]
-    test: list[Any]
+    test: list[Example]
     test_prompts: list[str]
 
     @classmethod
-    def build(cls, task: Any, cfg: Config, tokenizer: Any) -> _Data:
+    def build(cls, task: Task, cfg: Config, tokenizer: Any) -> _Data:
         from essa.recipes.common import render_prompts
 
         return cls(
@@ -422,7 +424,7 @@ def sample_groups(
     reward: Reward,
     data: _Data,
     step: int,
-    rows: Callable[[int], Phase] | None = None,
+    round_bar: Callable[[int], Phase] | None = None,
 ) -> tuple[_Groups, dict[str, float]]:
     """Draw prompts, sample G completions each, score; resample when the variant filters."""
     g = cfg.grpo
@@ -438,10 +440,10 @@ def sample_groups(
         prompts = [data.train_prompts[i] for i in idx for _ in range(g.group_size)]
         answers = [data.train[i].answer for i in idx for _ in range(g.group_size)]
         seed = int(np.random.SeedSequence([cfg.run.seed, 10, step, rounds]).generate_state(1)[0])
-        if rows is None:
+        if round_bar is None:
             out = rollout(policy, tokenizer, prompts, cfg, seed)
         else:
-            with rows(len(prompts)) as bar:
+            with round_bar(len(prompts)) as bar:
                 out = rollout(policy, tokenizer, prompts, cfg, seed, progress=bar.advance)
         scores = reward(out.texts, answers, prompts)
         rewards = torch.tensor([math.nan if s is None else float(s) for s in scores])  # (B,)
@@ -530,16 +532,16 @@ def train_step(
     reward: Reward,
     data: _Data,
     state: dict[str, Any],
-    rows: Callable[[int], Phase] | None = None,
+    round_bar: Callable[[int], Phase] | None = None,
 ) -> dict[str, Any]:
     """Sample, score, form advantages and update; returns the step's metrics record.
 
-    ``rows(n)`` opens the progress bar of a sampling round of n completions.
+    ``round_bar(n)`` opens the progress bar of a sampling round of n completions.
     """
     g = cfg.grpo
     step = state["step"]
     start = time.perf_counter()
-    groups, stats = sample_groups(cfg, variant, policy, tokenizer, reward, data, step, rows)
+    groups, stats = sample_groups(cfg, variant, policy, tokenizer, reward, data, step, round_bar)
     record: dict[str, Any] = {"generation": step, **stats}
     if not groups.prompt_ids:  # every group was filtered away: nothing to learn from
         record.update(seconds=round(time.perf_counter() - start, 4), skipped=True)

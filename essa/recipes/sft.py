@@ -30,7 +30,7 @@ def make_lora_model(model: Any, cfg: AdapterConfig) -> Any:
     check_target_modules(model, cfg.target_modules)
     lora = LoraConfig(
         r=cfg.rank,
-        lora_alpha=cfg.lora_alpha,
+        lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int; floats work
         target_modules=list(cfg.target_modules),
         lora_dropout=0.0,
         bias="none",
@@ -110,7 +110,7 @@ def train_sft(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optim.step()
-        lr = sched.get_last_lr()[0]  # the rate this step used
+        lr = float(sched.get_last_lr()[0])  # the rate this step used
         sched.step()
         losses.append(loss.item())
         if progress is not None:
