@@ -154,7 +154,8 @@ def run(cfg: Any, run_dir: Path, console: Any = print) -> dict[str, Any]:
     from essa.backends.memory import memory_metrics, model_bytes
     from essa.config import dump_config
     from essa.recipes.common import load_or_train_adapter, load_task, seed_everything
-    from essa.recipes.grpo import _Data, _reward
+    from essa.recipes.grpo import _Data
+    from essa.rewards.loading import load_reward
     from essa.rundir import MetricsLog, atomic_write_json
 
     wall_start = time.perf_counter()
@@ -181,7 +182,11 @@ def run(cfg: Any, run_dir: Path, console: Any = print) -> dict[str, Any]:
     )
     trainer = GRPOTrainer(
         model=peft_model,
-        reward_funcs=make_reward(_reward(cfg), log, tokenizer.pad_token_id),
+        reward_funcs=make_reward(
+            load_reward(cfg.reward, recipe="GRPO", groups=True, deadline=False),
+            log,
+            tokenizer.pad_token_id,
+        ),
         args=GRPOConfig(**arguments),
         train_dataset=dataset,
         processing_class=tokenizer,

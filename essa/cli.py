@@ -10,7 +10,6 @@ import functools
 import json
 import logging
 import os
-import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -190,7 +189,10 @@ def sft(
         typer.echo(f"SFT ({cfg.sft.trainable}): loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         typer.echo(f"SFT model: {model_dir}")
         return
-    _, adapter_dir = load_or_train_adapter(cfg, model, tokenizer, task, directory, _console())
+    from essa.harness import Reporter
+
+    reporter = Reporter(_console(), show_progress=cfg.run.show_progress)
+    _, adapter_dir = load_or_train_adapter(cfg, model, tokenizer, task, directory, reporter)
     typer.echo(f"SFT adapter: {adapter_dir}")
 
 
@@ -313,4 +315,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

@@ -298,7 +298,7 @@ def _build(cls: type, data: Any, prefix: str, where: typing.Callable[[str], str]
             known = ", ".join(fields)
             raise ConfigError(f"{where(path)}: {path}: unknown key (known: {known})")
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value, path, where)
             continue
         try:

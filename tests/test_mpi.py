@@ -252,6 +252,7 @@ def test_two_ranks_match_one_rank(reference: Path, tiny_model_dir: Path, tmp_pat
     leftovers = {p.name for p in run_dir.iterdir()} - {
         "config.yaml",
         "metrics.jsonl",
+        "phases.jsonl",
         "checkpoint.json",
         "sft_adapter",
         "adapter",

@@ -492,14 +492,16 @@ class _StubEvaluator:
         self.nonfinite = np.array([False, False, True, False])
         self.chosen: dict[int, str] = {}
 
-    def completions(self, population, prompts, seed=None):  # type: ignore[no-untyped-def]
+    def completions(self, population, prompts, seed=None, progress=None):  # type: ignore[no-untyped-def]
         return [["4"] * len(prompts), ["inf"] * len(prompts), ["4"] * len(prompts), ["x"] * 2]
 
 
 def test_failed_candidates_get_nan_fitness_and_are_counted() -> None:
     from essa.config import Config
     from essa.dist import get_comm
-    from essa.recipes.essa_es import _fault_counts, _fitness, _generation_record
+    from essa.recipes.essa_es import _fitness
+    from essa.recipes.fitness import fault_counts as _fault_counts
+    from essa.recipes.fitness import generation_record as _generation_record
     from essa.rewards import Reward
     from essa.types import Example
 

@@ -119,7 +119,7 @@ def equivalence(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from essa.backends.evaluator import PopulationEvaluator
     from essa.backends.hf import load_model
     from essa.data.loaders import builtin_examples
-    from essa.recipes.essa_es import scale_vector
+    from essa.recipes.baselines import scale_vector
     from essa.recipes.sft import make_lora_model, save_adapter
 
     tmp = tmp_path_factory.mktemp("vllm-eq")

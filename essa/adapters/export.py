@@ -13,14 +13,16 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from essa.adapters.svd import SVDAdapter
 from essa.rundir import atomic_dir
 from essa.types import AdapterVector
+
+if TYPE_CHECKING:  # svd.py imports this module; the adapter is only read here, never built
+    from essa.adapters.svd import SVDAdapter
 
 MANIFEST_NAME = "essa_manifest.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -87,7 +89,7 @@ def _lora_config(
         target_modules = sorted({name.rsplit(".", 1)[-1] for name in adapter.module_names})
     return LoraConfig(
         r=r,
-        lora_alpha=lora_alpha,
+        lora_alpha=lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int; floats work
         target_modules=list(target_modules),
         rank_pattern=rank_pattern,
         alpha_pattern=alpha_pattern,

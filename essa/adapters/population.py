@@ -187,8 +187,6 @@ class PopulationLoRA:
         self._values.clear()
         self._rows = None
 
-    unwrap = close
-
     def __enter__(self) -> PopulationLoRA:
         return self
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from essa.adapters.export import export_peft
 from essa.types import AdapterVector, Population
 
 LAYOUT_ORDER = "layer -> module -> factor (A, then B) -> singular index (largest first)"
@@ -128,9 +129,6 @@ class SVDAdapter:
         if not modules:
             raise ValueError("no LoRA modules given")
         return cls(modules, alpha)
-
-    # The architecture page calls this constructor from_lora_weights.
-    from_lora_weights = from_lora_state
 
     @classmethod
     def from_peft_model(cls, peft_model: nn.Module, alpha: float) -> SVDAdapter:
@@ -246,8 +244,6 @@ class SVDAdapter:
         **kwargs: Any,
     ) -> Path:
         """Write the candidate as a standard PEFT LoRA directory (see essa.adapters.export)."""
-        from essa.adapters.export import export_peft
-
         return export_peft(self, vector, out_dir, base_model_name_or_path, **kwargs)
 
 

@@ -36,6 +36,7 @@ from essa.adapters import PopulationLoRA, SVDAdapter, candidate_rows, merged_can
 from essa.backends.hf import NonFiniteGuard, generate_texts
 from essa.config import EvaluationConfig, GenerationConfig
 from essa.errors import UserError
+from essa.protocols import RowProgress
 from essa.types import Population
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class PopulationEvaluator:
         self.micro_batch_size = cfg.micro_batch_size  # halved on out-of-memory, never raised
         self.nonfinite = np.zeros(0, dtype=bool)  # (P,) of the last call: non-finite logits
         self._flags: list[bool] = []  # per candidate of the current call, in order
+        self._progress: RowProgress | None = None  # of the current call: rows done
         # bitsandbytes int8/int4 weights cannot take a merged delta: only `batched` applies.
         self.quantized = any(
             not model.get_submodule(name).weight.is_floating_point()
@@ -95,15 +97,28 @@ class PopulationEvaluator:
             )
 
     def completions(
-        self, population: Population, prompts: Sequence[str], seed: int | None = None
+        self,
+        population: Population,
+        prompts: Sequence[str],
+        seed: int | None = None,
+        progress: RowProgress | None = None,
     ) -> list[list[str]]:
         """Return completions[candidate][prompt] for population (P, D).
 
         Afterwards ``nonfinite`` (P,) marks the candidates whose logits were NaN/inf.
+        ``progress(rows)`` is called after each micro-batch of generated rows.
         """
-        population = np.atleast_2d(population)
+        self._progress = progress
+        try:
+            return self._completions(np.atleast_2d(population), prompts, seed)
+        finally:
+            self._progress = None
+
+    def _completions(
+        self, population: Population, prompts: Sequence[str], seed: int | None
+    ) -> list[list[str]]:
         self._flags = []
-        strategy = self.cfg.strategy
+        strategy: str = self.cfg.strategy
         if strategy == "auto" and self.quantized:
             strategy = self.chosen[len(prompts)] = "batched"
         if strategy == "auto":
@@ -168,8 +183,10 @@ class PopulationEvaluator:
         n = len(prompts)
         if n not in self._probe_costs:
             # First calls pay one-off costs; run each once on one row, outside timing and stats.
+            progress, self._progress = self._progress, None
             self._retrying("batched", population[:1], prompts[:1], seed)
             self._retrying("merged", population[:1], prompts[:1], seed)
+            self._progress = progress
             self._probe_costs[n] = {"batched": 0.0, "merged": 0.0, "probes": 0.0}
         costs = self._probe_costs[n]
         half = len(population) // 2
@@ -212,6 +229,7 @@ class PopulationEvaluator:
                 seed=seed,
                 use_prefix_cache=self.cfg.use_prefix_cache,
                 guard=guard,
+                progress=self._progress,
             )
         flags = guard.rows.view(len(population), n).any(dim=1).tolist()  # (P,)
         return [texts[c * n : (c + 1) * n] for c in range(len(population))], tokens, flags
@@ -234,6 +252,7 @@ class PopulationEvaluator:
                     seed=seed,
                     use_prefix_cache=self.cfg.use_prefix_cache,
                     guard=guard,
+                    progress=self._progress,
                 )
             out.append(texts)
             flags.append(bool(guard.rows.any()))

@@ -118,7 +118,7 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
             f"model.name_or_path: cannot load model from {path}: {_first_line(err)}"
         ) from None
     if cfg.quantization == "none":
-        model.to(device)  # quantised models are placed by device_map (8-bit ones refuse .to)
+        model.to(device)  # type: ignore[arg-type]  # quantised models are placed by device_map (8-bit ones refuse .to)
     else:
         disable_cpu_weight_packing(model)
     model.eval()
@@ -259,6 +259,7 @@ def generate_texts(
     seed: int | None = None,
     use_prefix_cache: bool = False,
     guard: NonFiniteGuard | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[list[str], int]:
     """Generate one completion per prompt, in micro-batches of rows.
 
@@ -272,7 +273,7 @@ def generate_texts(
     prefix has at least ``MIN_PREFIX_TOKENS`` tokens and the model's cache is a plain
     full-attention ``DynamicCache``; otherwise every row is encoded whole.
     With ``guard``, rows whose logits turn non-finite are flagged in ``guard.rows`` and stopped.
-    Returns (completions, new_tokens).
+    ``progress(rows)`` is called after each micro-batch. Returns (completions, new_tokens).
     """
     if not prompts:
         return [], 0
@@ -313,6 +314,8 @@ def generate_texts(
         new = out[:, input_ids.shape[1] :]  # (B, T_new)
         new_tokens += int((new != tokenizer.pad_token_id).sum())
         completions.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
+        if progress is not None:
+            progress(stop - start)
     return completions, new_tokens
 
 

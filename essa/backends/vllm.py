@@ -41,6 +41,7 @@ from essa.adapters import SVDAdapter
 from essa.backends.evaluator import EvalStats
 from essa.config import Config
 from essa.errors import UserError
+from essa.protocols import RowProgress
 from essa.types import Population
 
 # vLLM pre-allocates LoRA buffers for max_lora_rank; it accepts only these sizes.
@@ -161,7 +162,11 @@ class VLLMEvaluator:
         self._calls = 0
 
     def completions(
-        self, population: Population, prompts: Sequence[str], seed: int | None = None
+        self,
+        population: Population,
+        prompts: Sequence[str],
+        seed: int | None = None,
+        progress: RowProgress | None = None,
     ) -> list[list[str]]:
         """Return completions[candidate][prompt] for population (P, D)."""
         population = np.atleast_2d(population)
@@ -171,6 +176,8 @@ class VLLMEvaluator:
             texts, logprobs = self._chunk(population[start : start + self.slots], prompts, seed)
             out.extend(texts)
             self.last_logprobs.extend(logprobs)
+            if progress is not None:
+                progress(len(texts) * len(prompts))
         self.nonfinite = np.array(
             [not all(np.isfinite(t).all() for t in rows) for rows in self.last_logprobs],
             dtype=bool,
@@ -243,6 +250,24 @@ class VLLMEvaluator:
     def close(self) -> None:
         """Remove the tmpfs slots now (the engine is released with the object)."""
         self._cleanup()
+
+
+def open_evaluator(
+    cfg: Config, tokenizer: Any, adapter: SVDAdapter, world_size: int
+) -> VLLMEvaluator:
+    """backend: vllm: one engine per rank, one LoRA slot per candidate of this rank's shard."""
+    import gc
+
+    import torch
+
+    from essa.backends.hf import resolve_model_path
+
+    gc.collect()  # the HF copy of the base (SFT, SVD) must be gone before vLLM sizes its memory
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    slots = -(-cfg.optimizer.population_size // world_size)  # the largest shard
+    path = resolve_model_path(cfg.model.name_or_path)
+    return VLLMEvaluator(cfg, adapter, tokenizer, path, slots=slots)
 
 
 def _sampled_logprobs(output: Any) -> list[float]:

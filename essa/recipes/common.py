@@ -7,7 +7,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -15,6 +15,11 @@ import torch
 from essa.config import Config, DataConfig
 from essa.errors import UserError
 from essa.types import Example
+
+if TYPE_CHECKING:
+    from essa.adapters.svd import SVDAdapter
+    from essa.harness import Harness, Reporter
+    from essa.protocols import Optimizer
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +97,32 @@ def accuracy(
     return float(np.mean([s or 0.0 for s in scores])) if scores else float("nan")
 
 
+def load_base_model(cfg: Config, h: Harness) -> tuple[Any, Any]:
+    """(model, tokenizer) of ``cfg.model`` on this rank's device, as the "model load" phase."""
+    from essa.backends.hf import load_model
+    from essa.dist import place_rank
+
+    if cfg.backend == "vllm":
+        from essa.backends.vllm import require_vllm
+
+        require_vllm()  # before the model loads and SFT runs
+    with h.phase("model load"):
+        return load_model(place_rank(cfg.model, h.comm))
+
+
 def load_or_train_adapter(
-    cfg: Config, model: Any, tokenizer: Any, task: Task, run_dir: Path, console: Any = None
+    cfg: Config,
+    model: Any,
+    tokenizer: Any,
+    task: Task,
+    run_dir: Path,
+    reporter: Reporter | None = None,
 ) -> tuple[Any, str]:
     """Return (peft_model, adapter_dir): the configured adapter, a saved SFT one, or a new SFT."""
-
+    from essa.harness import Reporter
     from essa.recipes.sft import check_target_modules, make_lora_model, save_adapter, train_sft
 
+    reporter = reporter or Reporter(None)
     path = cfg.adapter.path
     if path is None and (run_dir / "sft_adapter" / "adapter_config.json").exists():
         path = str(run_dir / "sft_adapter")  # resumed run: reuse this run's SFT
@@ -117,14 +141,95 @@ def load_or_train_adapter(
         )
     peft_model = make_lora_model(model, cfg.adapter)
     prompts = render_prompts(task.sft, cfg.data.template, tokenizer)
-    losses = train_sft(peft_model, tokenizer, task.sft, prompts, cfg.sft, cfg.run.seed)
-    if console is not None and losses:
-        console.print(
+    with reporter.phase("SFT", cfg.sft.steps, unit="steps") as bar:
+        losses = train_sft(
+            peft_model,
+            tokenizer,
+            task.sft,
+            prompts,
+            cfg.sft,
+            cfg.run.seed,
+            progress=lambda fields: bar.advance(1, **fields),
+        )
+    if losses:
+        reporter.say(
             f"SFT: {cfg.sft.steps} steps on {len(task.sft)} examples, "
             f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
         )
     out = save_adapter(peft_model, run_dir / "sft_adapter")
     return peft_model, str(out)
+
+
+def adapter_on_every_rank(
+    cfg: Config, model: Any, tokenizer: Any, task: Task, h: Harness
+) -> tuple[Any, str]:
+    """Rank 0 loads or trains (and saves) the adapter; then the other ranks load the saved one.
+
+    Loading rank 0's saved SFT adapter, rather than training it on every rank, gives every
+    replica bit-identical singular values even where training is not deterministic (GPU kernels).
+    """
+    if h.is_root:
+        loaded = load_or_train_adapter(cfg, model, tokenizer, task, h.run_dir, h.reporter)
+    h.comm.barrier()
+    if not h.is_root:
+        if cfg.adapter.path is None and not (h.run_dir / "sft_adapter").is_dir():
+            raise UserError(
+                f"run.dir {h.run_dir}: rank {h.comm.rank} cannot see the SFT adapter rank 0 "
+                "saved there; with ranks on several nodes run.dir must be on a shared filesystem"
+            )
+        loaded = load_or_train_adapter(cfg, model, tokenizer, task, h.run_dir, h.reporter)
+    return loaded
+
+
+def svd_adapter(peft_model: Any, alpha: float) -> SVDAdapter:
+    """The SVD form of the model's LoRA; a config that selects nothing is one UserError line."""
+    from essa.adapters import SVDAdapter
+
+    try:
+        return SVDAdapter.from_peft_model(peft_model, alpha=alpha)
+    except ValueError as err:  # e.g. alpha * r selects no singular value of a given adapter
+        raise UserError(f"adapter: {err}") from None
+
+
+def make_es_optimizer(cfg: Config, adapter: SVDAdapter) -> Optimizer:
+    """The configured optimizer over the adapter's D offsets, layerwise when configured."""
+    from essa.optimizers import make_optimizer
+
+    o = cfg.optimizer
+    options: dict[str, Any] = (
+        {"variant": o.variant, "sep_above_dim": o.sep_above_dim}
+        if o.name == "cma_es"
+        else {"lr": o.lr, "step": o.step}
+    )
+    options.update(
+        population_size=o.population_size,
+        sigma0=o.sigma0,
+        seed=cfg.run.seed,
+        stds=adapter.stds() if o.use_relative_steps else None,
+    )
+    if o.layerwise.active_layers is None:
+        return make_optimizer(o.name, adapter.dim, **options)
+    from essa.adapters.layerwise import layer_blocks
+    from essa.optimizers.layerwise import LayerwiseES
+
+    try:
+        blocks = layer_blocks(adapter.manifest())
+    except ValueError as err:
+        raise UserError(f"optimizer.layerwise: {err}") from None
+    if o.layerwise.active_layers > len(blocks):
+        raise UserError(
+            f"optimizer.layerwise.active_layers: must be in 1..{len(blocks)} (the adapter's "
+            f"layers), got {o.layerwise.active_layers}"
+        )
+    return LayerwiseES(
+        adapter.dim,
+        layer_indices=blocks,
+        active_layers=o.layerwise.active_layers,
+        interval=o.layerwise.interval,
+        base=o.name,
+        use_carried_sigma=o.layerwise.use_carried_sigma,
+        **options,
+    )
 
 
 def load_peft_adapter(model: Any, path: str, key: str) -> Any:

@@ -27,30 +27,29 @@ Deviations from the papers:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from essa.config import Config, dump_config, to_dict
+from essa.config import Config, to_dict
 from essa.dist import Comm
 from essa.errors import UserError
+from essa.harness import Harness, Phase
 from essa.recipes import grpo_losses as losses
-from essa.rundir import (
-    MetricsLog,
-    atomic_dir,
-    atomic_write_json,
-    recover,
-    stop_on_storage_error,
-    storage_error,
-)
+from essa.recipes.grpo_policy import Policy, Rollout, merge, rollout, select, token_logprobs
+from essa.rewards.base import Reward
+from essa.rundir import atomic_dir, recover, storage_error
+from essa.types import Example
+
+if TYPE_CHECKING:
+    from essa.recipes.common import Task
 
 MAX_SAMPLING_ROUNDS = 4  # prompt batches drawn per step at most when groups are filtered
 
@@ -64,38 +63,38 @@ def run(
     comm: Comm | None = None,
 ) -> dict[str, Any]:
     """Train with the configured GRPO variant; return the summary (also in summary.json)."""
-    from essa.backends.hf import load_model
     from essa.backends.memory import model_bytes
     from essa.dist import get_comm
-    from essa.recipes.common import load_or_train_adapter, load_task, seed_everything
+    from essa.recipes import common
+    from essa.rewards.loading import load_reward
 
-    wall_start = time.perf_counter()
     comm = get_comm() if comm is None else comm
     if comm.world_size > 1:
         raise UserError(
             f"algorithm: grpo runs in one process for now (got {comm.world_size} ranks); "
             "launch it without mpiexec/srun"
         )
+    h = Harness(cfg, run_dir, resume=resume, console=console, comm=comm, unit="steps")
     g = cfg.grpo
     variant = losses.get_variant(g.loss)
-    seed_everything(cfg.run.seed)
-    task = load_task(cfg.data, cfg.run.seed)
-    reward = _reward(cfg)
-    model, tokenizer = load_model(cfg.model)
+    common.seed_everything(cfg.run.seed)
+    task = common.load_task(cfg.data, cfg.run.seed)
+    # Group rewards work as is: each prompt's G completions come in one call.
+    reward = load_reward(cfg.reward, recipe="GRPO", groups=True, deadline=False)
+    model, tokenizer = common.load_base_model(cfg, h)
     base_bytes = model_bytes(model)  # the base weights as stored, as ESSA reports them
-    if not resume:
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
-    peft_model, sft_dir = load_or_train_adapter(cfg, model, tokenizer, task, run_dir, console)
+    peft_model, sft_dir = common.load_or_train_adapter(
+        cfg, model, tokenizer, task, run_dir, h.reporter
+    )
     policy = Policy.build(peft_model, g.trainable, cfg.adapter.alpha, _beta(cfg) != 0.0)
     optimizer = _make_optimizer(cfg, policy)
     data = _Data.build(task, cfg, tokenizer)
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
     state = _load_checkpoint(run_dir, policy, optimizer) if resume else None
+    state = h.restore(state, done=state["step"] if state else 0)
     if state is None:
-        metrics.truncate_after(-2)
-        baseline = heldout_accuracy(policy, tokenizer, data, cfg)
+        baseline = heldout_accuracy(policy, tokenizer, data, cfg, h, "held-out baseline")
         state = {"step": 0, "baseline_accuracy": baseline, "elapsed": 0.0, "history": {}}
-        metrics.write(
+        h.metrics.write(
             {
                 "generation": -1,
                 "event": "baseline",
@@ -104,30 +103,21 @@ def run(
                 "variant": _preset(cfg),
             }
         )
-    else:
-        metrics.truncate_after(state["step"] - 1)
-    _say(
-        console,
+    h.say(
         f"GRPO ({g.loss}, trainable={g.trainable}): {policy.dim} parameters, "
         f"{g.prompts_per_step} prompts x G={g.group_size} per step, "
-        f"held-out baseline {state['baseline_accuracy']:.3f}",
+        f"held-out baseline {state['baseline_accuracy']:.3f}"
     )
-    elapsed_before = state["elapsed"]
-    while state["step"] < cfg.run.generations:
-        step = state["step"]
-        record = train_step(cfg, variant, policy, optimizer, tokenizer, reward, data, state)
-        if cfg.evaluation.every and (step + 1) % cfg.evaluation.every == 0:
-            record["heldout_accuracy"] = heldout_accuracy(policy, tokenizer, data, cfg)
-        state["step"] = step + 1
-        state["elapsed"] = elapsed_before + time.perf_counter() - wall_start
-        _persist(run_dir, record, metrics, policy, optimizer, state)
-        _report(console, cfg, record)
-        if cfg.run.max_wall_seconds and state["elapsed"] > cfg.run.max_wall_seconds:
-            _say(console, f"stopping: run.max_wall_seconds={cfg.run.max_wall_seconds} reached")
-            break
-    state["elapsed"] = elapsed_before + time.perf_counter() - wall_start
+    for step in h.steps(state["step"], show=_shown):
+        record = train_step(
+            cfg, variant, policy, optimizer, tokenizer, reward, data, state, step.progress
+        )
+        if h.due(step.index, cfg.evaluation.every):
+            record["heldout_accuracy"] = heldout_accuracy(policy, tokenizer, data, cfg, h)
+        state.update(step=step.index + 1, elapsed=h.elapsed)
+        step.finish(record, lambda: _save_checkpoint(run_dir, policy, optimizer, state))
     state["model_bytes"] = base_bytes
-    return _finish(cfg, run_dir, policy, tokenizer, data, state, sft_dir, wall_start, console)
+    return _finish(cfg, h, policy, tokenizer, data, state, sft_dir)
 
 
 def _beta(cfg: Config) -> float:
@@ -155,159 +145,19 @@ def _make_optimizer(cfg: Config, policy: Policy) -> Any:
     )
 
 
-def _reward(cfg: Config) -> Any:
-    from essa.rewards import get_reward
-
-    try:
-        reward = get_reward(cfg.reward.name, **cfg.reward.params)
-    except (ValueError, ImportError) as err:
-        raise UserError(f"reward.name: {err}") from None
-    if reward.needs:
-        raise UserError(
-            f"reward.name: {cfg.reward.name} needs {sorted(reward.needs)}, which the GRPO "
-            "recipe does not provide yet"
-        )
-    return reward  # group rewards work as is: each prompt's G completions come in one call
-
-
 # ---------------------------------------------------------------------------------------------
-# What is trained
-
-
-@dataclass
-class Policy:
-    """The PEFT model plus the tensors GRPO trains and their frozen SFT values (the reference)."""
-
-    model: Any  # PeftModel; its LoRA weights are either trained or parametrized by ``params``
-    params: list[torch.Tensor]  # the trainable tensors
-    reference: list[torch.Tensor]  # their SFT values: the KL reference and the baseline
-    svd: Any = None  # SVDAdapter when trainable == singular_values
-
-    @classmethod
-    def build(
-        cls, peft_model: Any, trainable: str, alpha: float, use_reference: bool = True
-    ) -> Policy:
-        for param in peft_model.parameters():
-            param.requires_grad_(False)
-        svd = None
-        if trainable == "lisa":
-            # Every base weight may train; LisaOptimizer sets requires_grad per interval. The
-            # KL reference (a full copy of the weights) is kept only when beta != 0.
-            peft_model = peft_model.merge_and_unload()
-            params = list(peft_model.parameters())  # tied weights appear once
-            reference = [p.detach().clone() for p in params] if use_reference else []
-            return cls(peft_model.eval(), params, reference, None)
-        if trainable == "lora":
-            params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
-        else:
-            svd, offsets = _parametrize_singular_values(peft_model, alpha)
-            params = [offsets]
-        for param in params:
-            param.requires_grad_(True)
-        reference = [p.detach().clone() for p in params]
-        return cls(peft_model.eval(), params, reference, svd)
-
-    @property
-    def dim(self) -> int:
-        return sum(p.numel() for p in self.params)
-
-    @contextlib.contextmanager
-    def frozen_reference(self) -> Iterator[None]:
-        """Temporarily load the SFT values (for reference log-probs); restore bit-exactly."""
-        saved = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for param, ref in zip(self.params, self.reference, strict=True):
-                param.copy_(ref)
-            try:
-                yield
-            finally:
-                for param, value in zip(self.params, saved, strict=True):
-                    param.copy_(value)
-
-    def inference(self) -> contextlib.AbstractContextManager[None]:
-        """Generation context: reconstruct parametrized factors once, not at every token."""
-        from torch.nn.utils import parametrize
-
-        return parametrize.cached() if self.svd is not None else contextlib.nullcontext()
-
-    def export(self, out_dir: Path, base_model_name_or_path: str) -> None:
-        if self.svd is None:
-            from essa.recipes.sft import save_adapter
-
-            save_adapter(self.model, out_dir)
-            return
-        vector = self.params[0].detach().to("cpu", torch.float64).numpy()
-        self.svd.export_peft(vector, out_dir, base_model_name_or_path=base_model_name_or_path)
-
-
-class _FactorFromSingularValues(torch.nn.Module):
-    """A LoRA factor rebuilt as U diag(s_SFT + offsets[slice], padded) Vᵀ (SVD-GRPO)."""
-
-    u: torch.Tensor
-    v: torch.Tensor
-    s: torch.Tensor
-
-    def __init__(
-        self,
-        u: torch.Tensor,
-        v: torch.Tensor,
-        s: torch.Tensor,
-        offsets: torch.Tensor,
-        part: slice,
-    ) -> None:
-        super().__init__()
-        self.register_buffer("u", u)  # (rows, r)
-        self.register_buffer("v", v)  # (cols, r)
-        self.register_buffer("s", s.float())  # (r,) SFT singular values
-        self.offsets = offsets  # the shared trainable (D,) vector
-        self.part = part
-
-    def forward(self, _weight: torch.Tensor) -> torch.Tensor:
-        delta = self.offsets[self.part]  # (k,)
-        s = self.s + torch.nn.functional.pad(delta, (0, self.s.shape[0] - delta.shape[0]))
-        return (self.u * s) @ self.v.T  # (rows, cols)
-
-
-def _parametrize_singular_values(peft_model: Any, alpha: float) -> tuple[Any, torch.Tensor]:
-    from torch.nn.utils import parametrize
-
-    from essa.adapters import SVDAdapter
-
-    try:
-        svd = SVDAdapter.from_peft_model(peft_model, alpha=alpha)
-    except ValueError as err:
-        raise UserError(f"adapter: {err}") from None
-    device = next(peft_model.parameters()).device
-    offsets = torch.nn.Parameter(torch.zeros(svd.dim, device=device))  # (D,) zero = SFT
-    layers = dict(peft_model.named_modules())
-    for module in svd.modules:
-        layer = layers[f"base_model.model.{module.name}"]
-        (name,) = layer.active_adapters
-        factors = (
-            (layer.lora_A[name], module.u_a, module.v_a, module.s_a, module.slice_a),
-            (layer.lora_B[name], module.u_b, module.v_b, module.s_b, module.slice_b),
-        )
-        for linear, u, v, s, part in factors:
-            rebuild = _FactorFromSingularValues(
-                u.to(device), v.to(device), s.to(device), offsets, part
-            )
-            parametrize.register_parametrization(linear, "weight", rebuild, unsafe=True)
-    return svd, offsets
-
-
-# ---------------------------------------------------------------------------------------------
-# Data, rollouts and log-probs
+# Data
 
 
 @dataclass(frozen=True)
 class _Data:
-    train: list[Any]  # Example
+    train: list[Example]
     train_prompts: list[str]
-    test: list[Any]
+    test: list[Example]
     test_prompts: list[str]
 
     @classmethod
-    def build(cls, task: Any, cfg: Config, tokenizer: Any) -> _Data:
+    def build(cls, task: Task, cfg: Config, tokenizer: Any) -> _Data:
         from essa.recipes.common import render_prompts
 
         return cls(
@@ -316,92 +166,6 @@ class _Data:
             task.test,
             render_prompts(task.test, cfg.data.template, tokenizer),
         )
-
-
-@dataclass(frozen=True)
-class Rollout:
-    input_ids: torch.Tensor  # (B, P + T) left-padded prompt, then completion
-    attention_mask: torch.Tensor  # (B, P + T) prompt padding 0, completion up to EOS 1
-    completion_ids: torch.Tensor  # (B, T)
-    mask: torch.Tensor  # (B, T) float: completion tokens up to and including the first EOS
-    truncated: torch.Tensor  # (B,) bool: no EOS within max_new_tokens
-    texts: list[str]
-
-
-@torch.no_grad()
-def rollout(
-    policy: Policy,
-    tokenizer: Any,
-    prompts: Sequence[str],
-    cfg: Config,
-    seed: int,
-) -> Rollout:
-    """Sample one completion per prompt row at grpo.temperature (HF generate)."""
-    model = policy.model
-    device = next(model.parameters()).device
-    batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
-    torch.manual_seed(seed)  # HF sampling draws from the global torch RNG
-    chunks = []
-    size = cfg.evaluation.micro_batch_size
-    with policy.inference():
-        for start in range(0, len(prompts), size):
-            part = {k: v[start : start + size].to(device) for k, v in batch.items()}
-            out = model.generate(
-                **part,
-                do_sample=True,
-                temperature=cfg.grpo.temperature,
-                top_p=cfg.generation.top_p,
-                top_k=0,
-                max_new_tokens=cfg.generation.max_new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-            chunks.append(out[:, part["input_ids"].shape[1] :].cpu())  # (b, T_chunk)
-    width = max(c.shape[1] for c in chunks)
-    completion = torch.cat(
-        [
-            torch.nn.functional.pad(c, (0, width - c.shape[1]), value=tokenizer.pad_token_id)
-            for c in chunks
-        ]
-    )
-    is_eos = completion == tokenizer.eos_token_id  # (B, T)
-    # Keep tokens up to and including the first EOS (pad may equal EOS, so do not test pad).
-    mask = (torch.cumsum(is_eos, dim=1) - is_eos.long()) == 0  # (B, T)
-    return Rollout(
-        input_ids=torch.cat([batch["input_ids"], completion], dim=1),
-        attention_mask=torch.cat([batch["attention_mask"], mask.long()], dim=1),
-        completion_ids=completion,
-        mask=mask.float(),
-        truncated=~is_eos.any(dim=1),
-        texts=tokenizer.batch_decode(
-            completion * mask + tokenizer.pad_token_id * ~mask, skip_special_tokens=True
-        ),
-    )
-
-
-def token_logprobs(
-    model: Any,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    num_completion_tokens: int,
-    temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the completion tokens and the policy's entropy there: 2 x (B, T)."""
-    device = next(model.parameters()).device
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate does, left padding
-    t = num_completion_tokens
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=t + 1,
-    ).logits[:, :-1]  # (B, T, V): position j predicts completion token j
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
-    logp = logp_all.gather(-1, input_ids[:, -t:, None]).squeeze(-1)  # (B, T)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, T)
-    return logp.cpu(), entropy.cpu()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,9 +186,10 @@ def sample_groups(
     variant: losses.Variant,
     policy: Policy,
     tokenizer: Any,
-    reward: Any,
+    reward: Reward,
     data: _Data,
     step: int,
+    round_bar: Callable[[int], Phase] | None = None,
 ) -> tuple[_Groups, dict[str, float]]:
     """Draw prompts, sample G completions each, score; resample when the variant filters."""
     g = cfg.grpo
@@ -440,7 +205,11 @@ def sample_groups(
         prompts = [data.train_prompts[i] for i in idx for _ in range(g.group_size)]
         answers = [data.train[i].answer for i in idx for _ in range(g.group_size)]
         seed = int(np.random.SeedSequence([cfg.run.seed, 10, step, rounds]).generate_state(1)[0])
-        out = rollout(policy, tokenizer, prompts, cfg, seed)
+        if round_bar is None:
+            out = rollout(policy, tokenizer, prompts, cfg, seed)
+        else:
+            with round_bar(len(prompts)) as bar:
+                out = rollout(policy, tokenizer, prompts, cfg, seed, progress=bar.advance)
         scores = reward(out.texts, answers, prompts)
         rewards = torch.tensor([math.nan if s is None else float(s) for s in scores])  # (B,)
         if g.overlong_buffer:
@@ -459,7 +228,7 @@ def sample_groups(
         if chosen.numel() == 0:
             continue
         rows = (chosen[:, None] * g.group_size + torch.arange(g.group_size)).flatten()  # (n*G,)
-        kept.rollouts.append(_select(out, rows))
+        kept.rollouts.append(select(out, rows))
         kept.rewards.append(rewards[chosen])
         kept.prompt_ids.extend(idx[i] for i in chosen.tolist())
     every = torch.cat(sampled_rewards)  # (N_all, G)
@@ -474,71 +243,30 @@ def sample_groups(
     return kept, stats
 
 
-def _select(out: Rollout, rows: torch.Tensor) -> Rollout:
-    return Rollout(
-        out.input_ids[rows],
-        out.attention_mask[rows],
-        out.completion_ids[rows],
-        out.mask[rows],
-        out.truncated[rows],
-        [out.texts[i] for i in rows.tolist()],
-    )
-
-
-def _merge(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
-    """Concatenate the rounds' rollouts (prompt and completion widths may differ)."""
-    if len(rollouts) == 1:
-        return rollouts[0]
-    p = max(r.input_ids.shape[1] - r.completion_ids.shape[1] for r in rollouts)
-    t = max(r.completion_ids.shape[1] for r in rollouts)
-
-    def widen(x: torch.Tensor, prompt: int, completion: int, value: int) -> torch.Tensor:
-        left = p - prompt
-        right = t - completion
-        return torch.nn.functional.pad(x, (left, right), value=value)
-
-    parts = []
-    for r in rollouts:
-        prompt = r.input_ids.shape[1] - r.completion_ids.shape[1]
-        completion = r.completion_ids.shape[1]
-        parts.append(
-            (
-                widen(r.input_ids, prompt, completion, pad_token_id),
-                widen(r.attention_mask, prompt, completion, 0),
-                torch.nn.functional.pad(r.completion_ids, (0, t - completion), value=pad_token_id),
-                torch.nn.functional.pad(r.mask, (0, t - completion)),
-            )
-        )
-    return Rollout(
-        torch.cat([x[0] for x in parts]),
-        torch.cat([x[1] for x in parts]),
-        torch.cat([x[2] for x in parts]),
-        torch.cat([x[3] for x in parts]),
-        torch.cat([r.truncated for r in rollouts]),
-        [text for r in rollouts for text in r.texts],
-    )
-
-
 def train_step(
     cfg: Config,
     variant: losses.Variant,
     policy: Policy,
     optimizer: torch.optim.Optimizer,
     tokenizer: Any,
-    reward: Any,
+    reward: Reward,
     data: _Data,
     state: dict[str, Any],
+    round_bar: Callable[[int], Phase] | None = None,
 ) -> dict[str, Any]:
-    """Sample, score, form advantages and update; returns the step's metrics record."""
+    """Sample, score, form advantages and update; returns the step's metrics record.
+
+    ``round_bar(n)`` opens the progress bar of a sampling round of n completions.
+    """
     g = cfg.grpo
     step = state["step"]
     start = time.perf_counter()
-    groups, stats = sample_groups(cfg, variant, policy, tokenizer, reward, data, step)
+    groups, stats = sample_groups(cfg, variant, policy, tokenizer, reward, data, step, round_bar)
     record: dict[str, Any] = {"generation": step, **stats}
     if not groups.prompt_ids:  # every group was filtered away: nothing to learn from
         record.update(seconds=round(time.perf_counter() - start, 4), skipped=True)
         return record
-    batch = _merge(groups.rollouts, tokenizer.pad_token_id)
+    batch = merge(groups.rollouts, tokenizer.pad_token_id)
     history = _history_from_json(state["history"])
     adv, history = losses.advantages(variant, torch.cat(groups.rewards), groups.prompt_ids, history)
     state["history"] = _history_to_json(history)
@@ -655,20 +383,30 @@ def lr_factor(step: int, cfg: Config) -> float:
     return 1.0
 
 
-def heldout_accuracy(policy: Policy, tokenizer: Any, data: _Data, cfg: Config) -> float:
+def heldout_accuracy(
+    policy: Policy,
+    tokenizer: Any,
+    data: _Data,
+    cfg: Config,
+    h: Harness | None = None,
+    name: str = "held-out",
+) -> float:
     """Greedy pass@1 on the fixed test split (the same helper and split as ESSA)."""
     from essa.backends.hf import generate_texts
+    from essa.harness import Reporter
     from essa.recipes.common import accuracy
 
     if not data.test:
         return float("nan")
-    with policy.inference():
+    reporter = h.reporter if h is not None else Reporter(None)
+    with policy.inference(), reporter.phase(name, len(data.test), unit="rows") as bar:
         texts, _ = generate_texts(
             policy.model,
             tokenizer,
             data.test_prompts,
             cfg.generation,
             micro_batch_size=cfg.evaluation.micro_batch_size,
+            progress=bar.advance,
         )
     return accuracy(texts, data.test, data.test_prompts)
 
@@ -683,22 +421,6 @@ def _history_to_json(history: dict[int, losses.PromptStats]) -> dict[str, list[f
 
 def _history_from_json(data: dict[str, list[float]]) -> dict[int, losses.PromptStats]:
     return {int(k): losses.PromptStats(int(v[0]), v[1], v[2]) for k, v in data.items()}
-
-
-def _persist(
-    run_dir: Path,
-    record: dict[str, Any],
-    metrics: MetricsLog,
-    policy: Policy,
-    optimizer: torch.optim.Optimizer,
-    state: dict[str, Any],
-) -> None:
-    """Append the step's record, then checkpoint; a storage fault stops with the way on."""
-    # Metrics first: a kill between the two writes redoes the step on resume, which drops and
-    # rewrites its record; the other order could lose the record.
-    with stop_on_storage_error(run_dir, state["step"] - 1, "steps"):
-        metrics.write(record)
-        _save_checkpoint(run_dir, policy, optimizer, state)
 
 
 def _save_checkpoint(
@@ -777,62 +499,44 @@ def _preset(cfg: Config) -> dict[str, Any]:
 
 def _finish(
     cfg: Config,
-    run_dir: Path,
+    h: Harness,
     policy: Policy,
     tokenizer: Any,
     data: _Data,
     state: dict[str, Any],
     sft_dir: str,
-    wall_start: float,
-    console: Any,
 ) -> dict[str, Any]:
+    """Evaluate the final policy on the held-out split, export it, write the summary."""
     from essa.backends.memory import memory_metrics
 
-    t0 = time.perf_counter()
-    final = heldout_accuracy(policy, tokenizer, data, cfg)
-    adapter_dir = run_dir / "adapter"
-    policy.export(adapter_dir, cfg.model.name_or_path)
-    summary = {
-        "algorithm": "grpo",
-        "loss": cfg.grpo.loss,
-        "trainable": cfg.grpo.trainable,
-        "baseline_accuracy": state["baseline_accuracy"],
-        "final_accuracy": final,
-        "improvement": final - state["baseline_accuracy"],
-        "generations": state["step"],
-        "wall_seconds": round(state["elapsed"] + time.perf_counter() - t0, 2),
-        "process_wall_seconds": round(time.perf_counter() - wall_start, 2),
-        "adapter_dir": str(adapter_dir),
-        "sft_adapter_dir": sft_dir,
-        "selected": "final",
-        "scale_baseline": None,
-        "dim": policy.dim,
-        "test_size": len(data.test),
-        "variant": _preset(cfg),
-        "grpo": to_dict(cfg.grpo),
+    g = cfg.grpo
+    final = heldout_accuracy(policy, tokenizer, data, cfg, h, "final held-out")
+    adapter_dir = h.run_dir / "adapter"
+    with h.phase("export"):
+        policy.export(adapter_dir, cfg.model.name_or_path)
+    summary = h.summary(
+        baseline=state["baseline_accuracy"],
+        final=final,
+        steps=state["step"],
+        adapter_dir=adapter_dir,
+        algorithm="grpo",
+        loss=g.loss,
+        trainable=g.trainable,
+        sft_adapter_dir=sft_dir,
+        selected="final",
+        scale_baseline=None,
+        dim=policy.dim,
+        test_size=len(data.test),
+        variant=_preset(cfg),
+        grpo=to_dict(g),
         **memory_metrics(state["model_bytes"]),
-    }
-    atomic_write_json(run_dir / "summary.json", summary)
-    _say(
-        console,
-        f"held-out accuracy {summary['baseline_accuracy']:.3f} -> {final:.3f} "
-        f"({summary['improvement']:+.3f}); adapter: {adapter_dir}",
     )
-    return summary
+    return h.finish(summary)
 
 
-def _report(console: Any, cfg: Config, record: dict[str, Any]) -> None:
-    if console is None or not cfg.run.show_progress:
-        return
-    text = (
-        f"step {record['generation'] + 1}/{cfg.run.generations}: reward {record['mean_reward']:.3f}"
-    )
+def _shown(record: dict[str, Any]) -> dict[str, Any]:
+    """The loop's console fields."""
+    shown = {"reward": record["mean_reward"], "loss": record.get("loss")}
     if "heldout_accuracy" in record:
-        text += f" held-out {record['heldout_accuracy']:.3f}"
-    if "heldout_accuracy" in record or (record["generation"] + 1) % 10 == 0:
-        console.print(text)
-
-
-def _say(console: Any, text: str) -> None:
-    if console is not None:
-        console.print(text)
+        shown["held-out"] = record["heldout_accuracy"]
+    return shown

@@ -29,8 +29,9 @@ Deviations and project choices:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,6 +40,12 @@ from torch import nn
 from essa.config import SFTConfig
 from essa.errors import UserError
 from essa.optimizers.layerwise import active_layers
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from essa.config import Config
+    from essa.recipes.common import Task
 from essa.types import Example
 
 
@@ -68,7 +75,7 @@ def _unique(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
 
 
 def persistent_params(
-    model: nn.Module, layers: nn.ModuleList, *, train_embeddings: bool, train_head: bool
+    model: PreTrainedModel, layers: nn.ModuleList, *, train_embeddings: bool, train_head: bool
 ) -> list[nn.Parameter]:
     """Parameters trained in every interval: embedding, head (tied: once), other non-block ones."""
     body = {id(p) for p in layers.parameters()}
@@ -82,7 +89,7 @@ def persistent_params(
     return _unique(chosen + others)
 
 
-def tensor_bytes(tensors: Any) -> int:
+def tensor_bytes(tensors: Iterable[object]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
@@ -100,7 +107,7 @@ class LisaOptimizer:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: PreTrainedModel,
         *,
         active_layers: int,  # gamma
         interval: int,  # K optimizer steps per interval
@@ -183,7 +190,7 @@ class LisaOptimizer:
 
 
 def train_sft_lisa(
-    model: nn.Module,
+    model: PreTrainedModel,
     tokenizer: Any,
     examples: Sequence[Example],
     prompts: Sequence[str],
@@ -238,7 +245,9 @@ def _cosine(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
 
 
-def train_base_model(cfg: Any, model: nn.Module, tokenizer: Any, task: Any, run_dir: Any) -> Any:
+def train_base_model(
+    cfg: Config, model: PreTrainedModel, tokenizer: Any, task: Task, run_dir: Path
+) -> tuple[Path, list[float]]:
     """``essa sft`` with ``sft.trainable`` full or lisa: train the base weights, save the model.
 
     Returns (the saved model directory, losses). Full fine-tuning is ``train_sft`` with every

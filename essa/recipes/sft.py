@@ -10,7 +10,8 @@ the demo runs on a few dozen examples; a cosine schedule with optional warmup is
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ def make_lora_model(model: Any, cfg: AdapterConfig) -> Any:
     check_target_modules(model, cfg.target_modules)
     lora = LoraConfig(
         r=cfg.rank,
-        lora_alpha=cfg.lora_alpha,
+        lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int; floats work
         target_modules=list(cfg.target_modules),
         lora_dropout=0.0,
         bias="none",
@@ -73,11 +74,11 @@ def train_sft(
     prompts: Sequence[str],
     cfg: SFTConfig,
     seed: int,
-    progress: Any = None,
+    progress: Callable[[dict[str, float]], None] | None = None,
 ) -> list[float]:
     """Run ``cfg.steps`` AdamW steps on mini-batches drawn without replacement per epoch.
 
-    Returns the loss per step.
+    Returns the loss per step; ``progress`` gets each step's loss, lr and tokens/s.
     """
     if not examples:
         raise UserError(
@@ -97,6 +98,7 @@ def train_sft(
     losses: list[float] = []
     peft_model.train()
     for _ in range(cfg.steps):
+        start = time.perf_counter()
         if len(order) < cfg.batch_size:
             order.extend(rng.permutation(len(examples)).tolist())
         idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
@@ -108,10 +110,13 @@ def train_sft(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optim.step()
+        lr = float(sched.get_last_lr()[0])  # the rate this step used
         sched.step()
         losses.append(loss.item())
         if progress is not None:
-            progress(losses[-1])
+            tokens = int(batch["attention_mask"].sum())
+            seconds = time.perf_counter() - start
+            progress({"loss": losses[-1], "lr": lr, "tokens/s": round(tokens / seconds, 1)})
     peft_model.eval()
     return losses
 

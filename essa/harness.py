@@ -1,0 +1,416 @@
+"""The run harness every recipe runs in: what a run does around its algorithm.
+
+A recipe supplies its state, its step and its checkpoint contents; the harness owns the rest:
+
+* the resolved config, written atomically at the start of a fresh run (``config.yaml``);
+* the metrics log (``metrics.jsonl``, rank 0 only) and its truncation on resume;
+* the step loop: SIGINT/SIGTERM finish the current step, checkpoint it and exit 130/143; the
+  wall-clock budget ``run.max_wall_seconds`` is agreed across ranks before anyone stops;
+* the checkpoint cadence (every ``checkpoint_every`` steps, and always before stopping) with a
+  storage fault turned into one line that says what was kept;
+* progress phases (model load, SFT, held-out passes, each generation or step, export): one rich
+  progress line per phase on the console, the same format for every recipe, and one record per
+  phase in ``phases.jsonl`` (``"event": "phase"``, start time, seconds, items done);
+* the summary: ``summary.json`` (atomic) and the closing console line.
+
+``phases.jsonl`` is a file of its own rather than more lines in ``metrics.jsonl``: readers of
+metrics.jsonl (essa compare, bench/, tests) take every line as a generation or baseline record.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from essa.config import Config, dump_config
+from essa.dist import Comm, any_rank
+from essa.errors import UserError
+from essa.rundir import (
+    MetricsLog,
+    atomic_write_json,
+    atomic_write_text,
+    recover,
+    stop_on_storage_error,
+)
+
+JSONDict = dict[str, Any]
+
+
+class Interrupt:
+    """SIGINT/SIGTERM set ``signum``; the loop finishes its step, checkpoints and exits.
+
+    A second signal acts at once (KeyboardInterrupt / default termination); the last
+    checkpoint on disk is then still complete, because every write is atomic.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            signal.raise_signal(signum)
+            return
+        self.signum = signum
+
+    def __enter__(self) -> Interrupt:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "n/a" if value is None else str(value)
+
+
+class Phase:
+    """One stage of a run: a progress line while it runs, a record and a line when it ends."""
+
+    def __init__(
+        self, reporter: Reporter, name: str, total: int | None, unit: str, start: int, log: bool
+    ) -> None:
+        self.reporter = reporter
+        self.name = name
+        self.total = total
+        self.unit = unit
+        self.done = start
+        self.log = log  # False: a transient bar only (no record, no closing line)
+        self.fields: JSONDict = {}
+        self._task: Any = None
+        self._started = time.time()
+        self._clock = time.perf_counter()
+
+    def advance(self, n: int = 1, **fields: object) -> None:
+        """``n`` more items done; ``fields`` (loss, lr, ...) replace the shown values."""
+        self.done += n
+        self.update(**fields)
+
+    def update(self, **fields: object) -> None:
+        self.fields.update(fields)
+        if self._task is not None:
+            text = " ".join(f"{k} {_fmt(v)}" for k, v in self.fields.items())
+            self.reporter.bar.update(self._task, completed=self.done, description=text)
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self._clock
+
+    def __enter__(self) -> Phase:
+        self._task = self.reporter._open(self)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        self.reporter._close(self, failed=exc_type is not None)
+
+
+class Reporter:
+    """The console side of a run: messages and progress phases (rank 0; silent elsewhere).
+
+    ``console`` is a rich Console or None (no output). With ``show_progress`` off, phases draw
+    nothing but still write their records to ``log``.
+    """
+
+    def __init__(
+        self, console: Any, *, show_progress: bool = True, log: MetricsLog | None = None
+    ) -> None:
+        self.console = console
+        self.show = show_progress and console is not None
+        # Live bars only where they redraw in place; a pipe or file gets the closing lines.
+        self.live = self.show and (console.is_terminal or console.is_jupyter)
+        self.log = log
+        self.bar: Any = None  # one rich Progress for all open phases (rich allows one live view)
+        self._open_phases = 0
+
+    def say(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(text, soft_wrap=True)  # no hard wraps: paths stay copyable
+
+    def phase(
+        self,
+        name: str,
+        total: int | None = None,
+        *,
+        unit: str = "",
+        start: int = 0,
+        log: bool = True,
+    ) -> Phase:
+        """``with reporter.phase("sft", total=steps, unit="steps") as p: p.advance(1, loss=x)``."""
+        return Phase(self, name, total, unit, start, log)
+
+    def _open(self, phase: Phase) -> Any:
+        if not self.live:
+            return None
+        if self.bar is None:
+            self.bar = self._progress()
+            self.bar.start()
+        self._open_phases += 1
+        return self.bar.add_task("", name=phase.name, total=phase.total, completed=phase.done)
+
+    def _progress(self) -> Any:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        return Progress(
+            TextColumn("[bold]{task.fields[name]}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.description}"),
+            console=self.console,
+            transient=True,  # finished phases leave their closing line, not a stale bar
+        )
+
+    def _close(self, phase: Phase, *, failed: bool) -> None:
+        seconds = phase.seconds
+        if phase._task is not None:
+            self._open_phases -= 1
+            if self._open_phases == 0:  # stopped with its last bar, so no empty line is left
+                self.bar.stop()
+                self.bar = None
+            else:
+                self.bar.remove_task(phase._task)
+        if not phase.log or failed:
+            return
+        if self.log is not None:
+            self.log.write(
+                {
+                    "event": "phase",
+                    "phase": phase.name,
+                    "started": round(phase._started, 3),
+                    "seconds": round(seconds, 3),
+                    "done": phase.done,
+                    "total": phase.total,
+                    "unit": phase.unit,
+                    **phase.fields,
+                }
+            )
+        if self.show:
+            count = f" {phase.done}/{phase.total} {phase.unit}" if phase.total else ""
+            extra = "".join(f", {k} {_fmt(v)}" for k, v in phase.fields.items())
+            self.say(f"{phase.name}:{count} in {seconds:.1f} s{extra}")
+
+
+class Harness:
+    """One run of a recipe in ``run_dir`` (created and checked by the CLI beforehand).
+
+    Under MPI every rank makes one; rank 0 alone prints and writes files.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        *,
+        resume: bool,
+        console: Any,
+        comm: Comm,
+        unit: str = "generations",
+        checkpoint_every: int = 1,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.resume = resume
+        self.comm = comm
+        self.is_root = comm.rank == 0
+        self.unit = unit  # "generations" or "steps": what the loop counts
+        self.checkpoint_every = checkpoint_every
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=self.is_root)
+        self.reporter = Reporter(
+            console if self.is_root else None,
+            show_progress=cfg.run.show_progress,
+            log=MetricsLog(run_dir / "phases.jsonl", enabled=self.is_root),
+        )
+        self.started = time.perf_counter()
+        self.elapsed_before = 0.0  # training seconds of earlier processes of a resumed run
+        self.interrupt = Interrupt()
+        self._saved = 0  # steps held by the last complete checkpoint
+        if self.is_root and not resume:  # first, so that a kill at any later moment can resume
+            atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+
+    # ------------------------------------------------------------------ console
+    def say(self, text: str) -> None:
+        self.reporter.say(text)
+
+    def phase(
+        self,
+        name: str,
+        total: int | None = None,
+        *,
+        unit: str = "",
+        start: int = 0,
+        log: bool = True,
+    ) -> Phase:
+        return self.reporter.phase(name, total, unit=unit, start=start, log=log)
+
+    @property
+    def elapsed(self) -> float:
+        """Training seconds of this run so far, earlier processes of a resumed run included."""
+        return self.elapsed_before + time.perf_counter() - self.started
+
+    # ------------------------------------------------------------------ state
+    def restore(self, state: JSONDict | None, *, done: int) -> JSONDict | None:
+        """Adopt a loaded checkpoint (``done`` steps) or start the metrics afresh (None)."""
+        if state is None:
+            self.metrics.truncate_after(-2)
+            return None
+        self.metrics.truncate_after(done - 1)  # records past the checkpoint will be redone
+        self.elapsed_before = float(state.get("elapsed", 0.0))
+        self._saved = done
+        return state
+
+    # ------------------------------------------------------------------ the loop
+    def steps(self, done: int, show: Callable[[JSONDict], JSONDict]) -> Iterator[Step]:
+        """Yield each remaining step until ``run.generations`` are done, a signal or the budget.
+
+        The body calls ``step.finish(record, save)``; ``show(record)`` picks the console fields.
+        """
+        total = self.cfg.run.generations
+        with self.phase(self.unit, total, unit=self.unit, start=done) as bar, self.interrupt:
+            while done < total:
+                step = Step(self, done, bar, show)
+                yield step
+                done += 1
+                if step.stop_reason is not None:
+                    self.say(step.stop_reason)
+                    if self.interrupt.signum is not None:
+                        raise SystemExit(128 + self.interrupt.signum)
+                    return
+
+    def due(self, step: int, every: int) -> bool:
+        """True after every ``every``-th step (0: never)."""
+        return bool(every) and (step + 1) % every == 0
+
+    # ------------------------------------------------------------------ summary
+    def finish(self, summary: JSONDict) -> JSONDict:
+        """Write summary.json and print the closing line; returns the summary."""
+        atomic_write_json(self.run_dir / "summary.json", summary)
+        self.say(
+            f"held-out accuracy {summary['baseline_accuracy']:.3f} -> "
+            f"{summary['final_accuracy']:.3f} ({summary['improvement']:+.3f}); "
+            f"adapter: {summary['adapter_dir']}"
+        )
+        return summary
+
+    def summary(
+        self, *, baseline: float, final: float, steps: int, adapter_dir: Path, **extra: Any
+    ) -> JSONDict:
+        """The summary fields every recipe reports; ``extra`` adds the recipe's own."""
+        return {
+            "baseline_accuracy": baseline,
+            "final_accuracy": final,
+            "improvement": final - baseline,
+            "generations": steps,
+            "wall_seconds": round(self.elapsed, 2),
+            "process_wall_seconds": round(time.perf_counter() - self.started, 2),
+            "adapter_dir": str(adapter_dir),
+            **extra,
+        }
+
+
+class Step:
+    """One step of the loop: the body computes ``record`` and hands it to :meth:`finish`."""
+
+    def __init__(
+        self, harness: Harness, index: int, bar: Phase, show: Callable[[JSONDict], JSONDict]
+    ) -> None:
+        self.harness = harness
+        self.index = index  # steps done before this one
+        self.bar = bar
+        self.show = show
+        self.stop_reason: str | None = None
+
+    def progress(self, total: int) -> Phase:
+        """A transient bar over the step's own items (rows generated), below the loop's."""
+        return self.harness.phase(f"  {self.harness.unit[:-1]} {self.index + 1}", total, log=False)
+
+    def finish(self, record: JSONDict, save: Callable[[], None]) -> None:
+        """Log ``record``, checkpoint when due (always before stopping), advance the bar.
+
+        Metrics first: a kill between the two writes redoes the step on resume, which drops and
+        rewrites its record; the other order could lose the record.
+        """
+        h = self.harness
+        done = self.index + 1
+        self.stop_reason = self._stop_reason(done)
+        last = done >= h.cfg.run.generations
+        with stop_on_storage_error(h.run_dir, h._saved, h.unit):
+            h.metrics.write(record)
+            if h.is_root and (done % h.checkpoint_every == 0 or last or self.stop_reason):
+                save()
+                h._saved = done
+        fields = self.show(record)
+        self.bar.advance(1, **fields)
+        if "heldout_accuracy" in record:  # a line to keep, not only the transient bar
+            text = " ".join(f"{k} {_fmt(v)}" for k, v in fields.items())
+            if h.reporter.show:
+                h.say(f"{h.unit[:-1]} {done}: {text}")
+
+    def _stop_reason(self, done: int) -> str | None:
+        h = self.harness
+        if h.interrupt.signum is not None:
+            return (
+                f"interrupted by signal {h.interrupt.signum}: checkpoint at {h.unit[:-1]} "
+                f"{done} saved; continue with: essa train --resume {h.run_dir}"
+            )
+        budget = h.cfg.run.max_wall_seconds
+        # Ranks time themselves differently: they must agree to stop, or some would block.
+        if budget and any_rank(h.comm, h.elapsed > budget):
+            return f"stopping: run.max_wall_seconds={budget} reached"
+        return None
+
+
+def write_json_checkpoint(run_dir: Path, data: JSONDict, step: int) -> None:
+    """RUN_DIR/checkpoint.json, replaced atomically (plain JSON: nothing read back is executed)."""
+    from essa.faults import checkpoint_fault
+
+    atomic_write_json(
+        run_dir / "checkpoint.json",
+        data,
+        before_rename=checkpoint_fault(step),  # None unless ESSA_FAULT is set (tests)
+    )
+
+
+def read_json_checkpoint(run_dir: Path, restore: Callable[[JSONDict], None]) -> JSONDict | None:
+    """The checkpoint's data after ``restore(data)`` took its part; None when there is none.
+
+    A checkpoint that cannot be restored is one UserError line, never a traceback.
+    """
+    path = run_dir / "checkpoint.json"
+    recover(path)
+    if not path.exists():
+        return None
+    try:
+        data: JSONDict = json.loads(path.read_text())
+        restore(data)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
+        # Atomic writes never leave a torn checkpoint; this one was edited, damaged, or was
+        # written under another optimizer setting (--set on resume).
+        first = str(err).splitlines()[0] if str(err) else "invalid"
+        raise UserError(
+            f"{path}: cannot resume from this checkpoint ({type(err).__name__}: {first}); "
+            "start a new run or restore the file"
+        ) from None
+    return data

@@ -1,0 +1,68 @@
+"""The no-search baseline: the SFT adapter uniformly scaled, the factor chosen on training prompts.
+
+It answers "is ES doing more than turning the adapter up?" (ESSA spec §4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from essa.protocols import Evaluator, RowProgress
+from essa.rewards import fitness_from_rewards
+from essa.rewards.base import Reward
+from essa.types import AdapterVector, Example
+
+if TYPE_CHECKING:
+    from essa.adapters.svd import SVDAdapter
+
+SCALE_FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+SCALE_PROMPTS = 256
+
+
+def scale_vector(adapter: SVDAdapter, factor: float) -> AdapterVector:
+    """Offsets that scale every module's delta-W uniformly by ``factor`` (s_B -> factor * s_B).
+
+    With adapter.alpha < 1 only the searched singular values scale, so this is approximate.
+    """
+    x = np.zeros(adapter.dim)
+    for module in adapter.modules:
+        x[module.slice_b] = (factor - 1.0) * np.asarray(module.s_b[: module.k])
+    return x
+
+
+def scale_baseline(
+    evaluator: Evaluator,
+    adapter: SVDAdapter,
+    train: list[Example],
+    prompts: list[str],
+    reward: Reward,
+    seed: int,
+    heldout: Callable[[AdapterVector], float],
+    progress: RowProgress | None = None,
+) -> dict[str, float] | None:
+    """Score SCALE_FACTORS on up to SCALE_PROMPTS training prompts; the best one's held-out."""
+    from essa.recipes.fitness import scores
+
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 3]))
+    idx = rng.choice(len(train), size=min(SCALE_PROMPTS, len(train)), replace=False)
+    batch = [prompts[i] for i in idx]
+    answers = [train[i].answer for i in idx]
+    population = np.stack([scale_vector(adapter, f) for f in SCALE_FACTORS])  # (8, D)
+    texts = evaluator.completions(population, batch, progress=progress)
+    fitness = [fitness_from_rewards(s) for s in scores(reward, evaluator, texts, answers, batch)]
+    if np.all(np.isnan(fitness)):  # the reward failed everywhere: no baseline to report
+        return None
+    best = int(np.nanargmax(fitness))
+    return {
+        "factor": SCALE_FACTORS[best],
+        "train_fitness": float(fitness[best]),
+        "heldout_accuracy": heldout(population[best]),
+    }
+
+
+def scale_rows(train: list[Example]) -> int:
+    """Rows (candidate x prompt completions) the scale baseline generates."""
+    return len(SCALE_FACTORS) * min(SCALE_PROMPTS, len(train))

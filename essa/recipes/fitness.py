@@ -1,0 +1,132 @@
+"""Fitness of a population on a prompt mini-batch, its fault counts and the generation record.
+
+numpy only: the evaluator (an :class:`essa.protocols.Evaluator`) does the generating.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from essa.errors import UserError
+from essa.protocols import Evaluator, LogprobEvaluator, RowProgress
+from essa.rewards.base import Reward
+from essa.rewards.logprob import LogprobReward
+from essa.types import AdapterVector, Example, Fitness, Population
+
+
+def minibatch(n: int, size: int, seed: int, generation: int) -> np.ndarray:
+    """The generation's shared prompt indices: a pure function of (seed, generation)."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 2, generation]))
+    return rng.choice(n, size=min(size, n), replace=False)
+
+
+def scores(
+    reward: Reward,
+    evaluator: Evaluator,
+    texts: list[list[str]],
+    answers: list[str | None],
+    prompts: list[str],
+) -> list[list[float | None]]:
+    """Per candidate, the reward of each completion; log-prob rewards take the backend's."""
+    if not reward.needs:
+        return [reward(t, answers, prompts) for t in texts]
+    # load_reward admits log-prob rewards only on a backend that returns the log-probs.
+    assert isinstance(reward, LogprobReward) and isinstance(evaluator, LogprobEvaluator)
+    return [
+        reward.score_with_logprobs(t, answers, prompts, logprobs)
+        for t, logprobs in zip(texts, evaluator.last_logprobs, strict=True)
+    ]
+
+
+def fault_counts(reward: Reward, evaluator: Evaluator) -> dict[str, int]:
+    """Running fault counters of this rank (reward timeouts and errors, non-finite logits)."""
+    stats = reward.stats.as_dict()
+    return {
+        "reward_timeouts": stats["n_timeout"],
+        "reward_errors": stats["n_error"],
+        "nonfinite_candidates": int(evaluator.nonfinite.sum()),
+    }
+
+
+def fault_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    delta = {key: after[key] - before[key] for key in ("reward_timeouts", "reward_errors")}
+    delta["nonfinite_candidates"] = after["nonfinite_candidates"]  # a per-call count already
+    return delta
+
+
+def check_generation(g: int, fitness: Fitness, faults: dict[str, int], reward: str) -> None:
+    """Stop with one clear line when every candidate of generation g failed (NaN fitness).
+
+    Nothing is told to the optimizer, so the last checkpoint stays the state to resume from.
+    Every rank sees the same gathered fitness and stops together. The counts are this rank's.
+    """
+    if not np.all(np.isnan(fitness)):
+        return
+    raise UserError(
+        f"generation {g}: all {fitness.size} candidates failed (NaN fitness): reward "
+        f"{reward!r} timed out on {faults['reward_timeouts']} and failed on "
+        f"{faults['reward_errors']} items, {faults['nonfinite_candidates']} candidates had "
+        "non-finite logits; fix the reward or reward.timeout_seconds and resume with "
+        "essa train --resume"
+    )
+
+
+def track_best(state: dict[str, Any], population: Population, fitness: Fitness) -> None:
+    """Keep the best candidate seen so far in ``state`` (best_fitness, best_vector)."""
+    if np.all(np.isnan(fitness)):
+        return
+    i = int(np.nanargmax(fitness))
+    if state["best_fitness"] is None or fitness[i] > state["best_fitness"]:
+        state["best_fitness"] = float(fitness[i])
+        state["best_vector"] = population[i].tolist()
+
+
+def generation_record(
+    g: int,
+    fitness: Fitness,
+    opt_metrics: dict[str, float],
+    seconds: float,
+    tokens: int,
+    evaluator: Evaluator,
+) -> dict[str, Any]:
+    """Generation g's metrics.jsonl line: fitness statistics, speed, the optimizer's view."""
+    finite = fitness[np.isfinite(fitness)]
+    record: dict[str, Any] = {
+        "generation": g,
+        "best_fitness": float(finite.max()) if finite.size else None,
+        "mean_fitness": float(finite.mean()) if finite.size else None,
+        "median_fitness": float(np.median(finite)) if finite.size else None,
+        "n_failed": int(fitness.size - finite.size),
+        "seconds": round(seconds, 4),
+        "new_tokens": tokens,
+        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
+    }
+    # The optimizer's own view (sigma, grad norms, skipped generations); fitness is already above.
+    record.update(
+        {
+            k: float(v)
+            for k, v in opt_metrics.items()
+            if k not in record and k != "generation" and not k.startswith("fitness_")
+        }
+    )
+    if evaluator.chosen:
+        record["strategy"] = ",".join(sorted(set(evaluator.chosen.values())))
+    return record
+
+
+def accuracy_of(
+    evaluator: Evaluator,
+    vector: AdapterVector,
+    examples: list[Example],
+    prompts: list[str],
+    progress: RowProgress | None = None,
+) -> float:
+    """Greedy pass@1 of one candidate on ``examples`` (the held-out split)."""
+    from essa.recipes.common import accuracy
+
+    if not examples:
+        return float("nan")
+    (texts,) = evaluator.completions(np.asarray(vector)[None, :], prompts, progress=progress)
+    return accuracy(texts, examples, prompts)

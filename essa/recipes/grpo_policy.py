@@ -1,0 +1,273 @@
+"""What GRPO trains and how it samples: the policy (trainable tensors and their SFT reference),
+rollouts (sampled completions with their masks) and token log-probs. Used by essa/recipes/grpo.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from essa.config import Config
+
+if TYPE_CHECKING:
+    from essa.adapters.svd import SVDAdapter
+
+
+@dataclass
+class Policy:
+    """The PEFT model plus the tensors GRPO trains and their frozen SFT values (the reference)."""
+
+    model: Any  # PeftModel; its LoRA weights are either trained or parametrized by ``params``
+    params: list[torch.Tensor]  # the trainable tensors
+    reference: list[torch.Tensor]  # their SFT values: the KL reference and the baseline
+    svd: SVDAdapter | None = None  # when trainable == singular_values
+
+    @classmethod
+    def build(
+        cls, peft_model: Any, trainable: str, alpha: float, use_reference: bool = True
+    ) -> Policy:
+        for param in peft_model.parameters():
+            param.requires_grad_(False)
+        svd = None
+        if trainable == "lisa":
+            # Every base weight may train; LisaOptimizer sets requires_grad per interval. The
+            # KL reference (a full copy of the weights) is kept only when beta != 0.
+            peft_model = peft_model.merge_and_unload()
+            params = list(peft_model.parameters())  # tied weights appear once
+            reference = [p.detach().clone() for p in params] if use_reference else []
+            return cls(peft_model.eval(), params, reference, None)
+        if trainable == "lora":
+            params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
+        else:
+            svd, offsets = _parametrize_singular_values(peft_model, alpha)
+            params = [offsets]
+        for param in params:
+            param.requires_grad_(True)
+        reference = [p.detach().clone() for p in params]
+        return cls(peft_model.eval(), params, reference, svd)
+
+    @property
+    def dim(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    @contextlib.contextmanager
+    def frozen_reference(self) -> Iterator[None]:
+        """Temporarily load the SFT values (for reference log-probs); restore bit-exactly."""
+        saved = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for param, ref in zip(self.params, self.reference, strict=True):
+                param.copy_(ref)
+            try:
+                yield
+            finally:
+                for param, value in zip(self.params, saved, strict=True):
+                    param.copy_(value)
+
+    def inference(self) -> contextlib.AbstractContextManager[None]:
+        """Generation context: reconstruct parametrized factors once, not at every token."""
+        from torch.nn.utils import parametrize
+
+        return parametrize.cached() if self.svd is not None else contextlib.nullcontext()
+
+    def export(self, out_dir: Path, base_model_name_or_path: str) -> None:
+        if self.svd is None:
+            from essa.recipes.sft import save_adapter
+
+            save_adapter(self.model, out_dir)
+            return
+        vector = self.params[0].detach().to("cpu", torch.float64).numpy()
+        self.svd.export_peft(vector, out_dir, base_model_name_or_path=base_model_name_or_path)
+
+
+class _FactorFromSingularValues(torch.nn.Module):
+    """A LoRA factor rebuilt as U diag(s_SFT + offsets[slice], padded) Vᵀ (SVD-GRPO)."""
+
+    u: torch.Tensor
+    v: torch.Tensor
+    s: torch.Tensor
+
+    def __init__(
+        self,
+        u: torch.Tensor,
+        v: torch.Tensor,
+        s: torch.Tensor,
+        offsets: torch.Tensor,
+        part: slice,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("u", u)  # (rows, r)
+        self.register_buffer("v", v)  # (cols, r)
+        self.register_buffer("s", s.float())  # (r,) SFT singular values
+        self.offsets = offsets  # the shared trainable (D,) vector
+        self.part = part
+
+    def forward(self, _weight: torch.Tensor) -> torch.Tensor:
+        delta = self.offsets[self.part]  # (k,)
+        s = self.s + torch.nn.functional.pad(delta, (0, self.s.shape[0] - delta.shape[0]))
+        return (self.u * s) @ self.v.T  # (rows, cols)
+
+
+def _parametrize_singular_values(peft_model: Any, alpha: float) -> tuple[SVDAdapter, torch.Tensor]:
+    from torch.nn.utils import parametrize
+
+    from essa.recipes.common import svd_adapter
+
+    svd = svd_adapter(peft_model, alpha)
+    device = next(peft_model.parameters()).device
+    offsets = torch.nn.Parameter(torch.zeros(svd.dim, device=device))  # (D,) zero = SFT
+    layers = dict(peft_model.named_modules())
+    for module in svd.modules:
+        layer = layers[f"base_model.model.{module.name}"]
+        (name,) = layer.active_adapters
+        factors = (
+            (layer.lora_A[name], module.u_a, module.v_a, module.s_a, module.slice_a),
+            (layer.lora_B[name], module.u_b, module.v_b, module.s_b, module.slice_b),
+        )
+        for linear, u, v, s, part in factors:
+            rebuild = _FactorFromSingularValues(
+                u.to(device), v.to(device), s.to(device), offsets, part
+            )
+            parametrize.register_parametrization(linear, "weight", rebuild, unsafe=True)
+    return svd, offsets
+
+
+@dataclass(frozen=True)
+class Rollout:
+    input_ids: torch.Tensor  # (B, P + T) left-padded prompt, then completion
+    attention_mask: torch.Tensor  # (B, P + T) prompt padding 0, completion up to EOS 1
+    completion_ids: torch.Tensor  # (B, T)
+    mask: torch.Tensor  # (B, T) float: completion tokens up to and including the first EOS
+    truncated: torch.Tensor  # (B,) bool: no EOS within max_new_tokens
+    texts: list[str]
+
+
+@torch.no_grad()
+def rollout(
+    policy: Policy,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    cfg: Config,
+    seed: int,
+    progress: Callable[[int], None] | None = None,
+) -> Rollout:
+    """Sample one completion per prompt row at grpo.temperature (HF generate).
+
+    ``progress(rows)`` is called after each micro-batch.
+    """
+    model = policy.model
+    device = next(model.parameters()).device
+    batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
+    torch.manual_seed(seed)  # HF sampling draws from the global torch RNG
+    chunks = []
+    size = cfg.evaluation.micro_batch_size
+    with policy.inference():
+        for start in range(0, len(prompts), size):
+            part = {k: v[start : start + size].to(device) for k, v in batch.items()}
+            out = model.generate(
+                **part,
+                do_sample=True,
+                temperature=cfg.grpo.temperature,
+                top_p=cfg.generation.top_p,
+                top_k=0,
+                max_new_tokens=cfg.generation.max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            chunks.append(out[:, part["input_ids"].shape[1] :].cpu())  # (b, T_chunk)
+            if progress is not None:
+                progress(len(part["input_ids"]))
+    width = max(c.shape[1] for c in chunks)
+    completion = torch.cat(
+        [
+            torch.nn.functional.pad(c, (0, width - c.shape[1]), value=tokenizer.pad_token_id)
+            for c in chunks
+        ]
+    )
+    is_eos = completion == tokenizer.eos_token_id  # (B, T)
+    # Keep tokens up to and including the first EOS (pad may equal EOS, so do not test pad).
+    mask = (torch.cumsum(is_eos, dim=1) - is_eos.long()) == 0  # (B, T)
+    return Rollout(
+        input_ids=torch.cat([batch["input_ids"], completion], dim=1),
+        attention_mask=torch.cat([batch["attention_mask"], mask.long()], dim=1),
+        completion_ids=completion,
+        mask=mask.float(),
+        truncated=~is_eos.any(dim=1),
+        texts=tokenizer.batch_decode(
+            completion * mask + tokenizer.pad_token_id * ~mask, skip_special_tokens=True
+        ),
+    )
+
+
+def token_logprobs(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_completion_tokens: int,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the completion tokens and the policy's entropy there: 2 x (B, T)."""
+    device = next(model.parameters()).device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate does, left padding
+    t = num_completion_tokens
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=t + 1,
+    ).logits[:, :-1]  # (B, T, V): position j predicts completion token j
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
+    logp = logp_all.gather(-1, input_ids[:, -t:, None]).squeeze(-1)  # (B, T)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, T)
+    return logp.cpu(), entropy.cpu()
+
+
+def select(out: Rollout, rows: torch.Tensor) -> Rollout:
+    return Rollout(
+        out.input_ids[rows],
+        out.attention_mask[rows],
+        out.completion_ids[rows],
+        out.mask[rows],
+        out.truncated[rows],
+        [out.texts[i] for i in rows.tolist()],
+    )
+
+
+def merge(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Concatenate the rounds' rollouts (prompt and completion widths may differ)."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    p = max(r.input_ids.shape[1] - r.completion_ids.shape[1] for r in rollouts)
+    t = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def widen(x: torch.Tensor, prompt: int, completion: int, value: int) -> torch.Tensor:
+        left = p - prompt
+        right = t - completion
+        return torch.nn.functional.pad(x, (left, right), value=value)
+
+    parts = []
+    for r in rollouts:
+        prompt = r.input_ids.shape[1] - r.completion_ids.shape[1]
+        completion = r.completion_ids.shape[1]
+        parts.append(
+            (
+                widen(r.input_ids, prompt, completion, pad_token_id),
+                widen(r.attention_mask, prompt, completion, 0),
+                torch.nn.functional.pad(r.completion_ids, (0, t - completion), value=pad_token_id),
+                torch.nn.functional.pad(r.mask, (0, t - completion)),
+            )
+        )
+    return Rollout(
+        torch.cat([x[0] for x in parts]),
+        torch.cat([x[1] for x in parts]),
+        torch.cat([x[2] for x in parts]),
+        torch.cat([x[3] for x in parts]),
+        torch.cat([r.truncated for r in rollouts]),
+        [text for r in rollouts for text in r.texts],
+    )

@@ -1,0 +1,39 @@
+"""The configured reward, gated on what the calling recipe can give it.
+
+A recipe says whether it scores groups of completions per prompt and which side inputs
+(``reward.needs``) it provides; a reward that needs more is refused with one line before any
+model loads. Custom (module:function) rewards get ``reward.timeout_seconds`` as a deadline.
+"""
+
+from __future__ import annotations
+
+from essa.config import RewardConfig
+from essa.errors import UserError
+from essa.rewards.base import Reward
+
+
+def load_reward(
+    cfg: RewardConfig,
+    *,
+    recipe: str,
+    groups: bool = False,
+    provides: frozenset[str] = frozenset(),
+    deadline: bool = True,
+) -> Reward:
+    """``cfg``'s reward; UserError when unknown or when ``recipe`` cannot feed it."""
+    from essa.rewards import get_reward
+    from essa.rewards.deadline import with_deadline
+
+    try:
+        reward = get_reward(cfg.name, **cfg.params)
+    except (ValueError, ImportError) as err:
+        raise UserError(f"reward.name: {err}") from None
+    if deadline and ":" in cfg.name and cfg.timeout_seconds is not None:
+        reward = with_deadline(reward, cfg.timeout_seconds)  # custom code may hang
+    missing_group = reward.is_group and not groups
+    if missing_group or not reward.needs <= provides:
+        needs = "a group of completions per prompt" if missing_group else sorted(reward.needs)
+        raise UserError(
+            f"reward.name: {cfg.name} needs {needs}, which the {recipe} recipe does not provide yet"
+        )
+    return reward

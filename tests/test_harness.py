@@ -1,0 +1,268 @@
+"""The run harness (essa/harness.py): signals, budget, cadence, phases; GRPO signal and resume.
+
+The model-free tests drive the real ESSA generation step (ask, evaluate, tell) with the fake
+evaluator of tests/fakes.py; the slow ones run the real CLI on the bundled demo model.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from essa.config import Config, load_config
+from essa.dist import get_comm
+from essa.harness import Harness, Reporter
+from essa.protocols import Evaluator, Optimizer
+from essa.recipes import essa_es
+from essa.rewards import Reward
+from essa.types import Example
+from tests.fakes import FakeEvaluator
+
+TRAIN = [Example(prompt=f"{i}+{4 - i}=", answer="4") for i in range(5)]
+PROMPTS = [e.prompt for e in TRAIN]
+
+
+def _config(*overrides: str) -> Config:
+    base = ["optimizer.population_size=4", "data.batch_size=3", "run.show_progress=false"]
+    return load_config(None, [*base, *overrides])
+
+
+def _fake_run(
+    cfg: Config, run_dir: Path, *, resume: bool = False, interrupt_at: int | None = None
+) -> tuple[Optimizer, Harness]:
+    """The ESSA loop of essa_es.run on a 4-dimensional search with the fake evaluator."""
+    from essa.optimizers import make_optimizer
+
+    run_dir.mkdir(exist_ok=True)
+    comm = get_comm("local")
+    h = Harness(cfg, run_dir, resume=resume, console=None, comm=comm)
+    evaluator = FakeEvaluator()
+    reward = Reward("exact", lambda c, a, p: [float(x == y) for x, y in zip(c, a, strict=True)])
+    opt = make_optimizer("cma_es", 4, population_size=4, sigma0=0.5, seed=cfg.run.seed)
+    loaded = essa_es._load_checkpoint(run_dir, opt) if resume else None
+    state = h.restore(loaded, done=opt.generation)
+    if state is None:
+        state = {"baseline_accuracy": 0.0, "best_fitness": None, "best_vector": None}
+        h.metrics.write({"generation": -1, "event": "baseline"})
+    for step in h.steps(opt.generation, show=essa_es._shown):
+        record, _, _ = essa_es._generation(
+            cfg, step.index, opt, evaluator, TRAIN, PROMPTS, reward, comm, step.progress
+        )
+        if step.index == interrupt_at:
+            signal.raise_signal(signal.SIGINT)  # as if Ctrl-C came during this generation
+        state["elapsed"] = h.elapsed
+        step.finish(record, lambda: essa_es._save_checkpoint(run_dir, opt, state))
+    return opt, h
+
+
+def _generations(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["generation"] for line in lines]
+
+
+def test_fake_evaluator_and_optimizers_satisfy_the_seams() -> None:
+    from essa.optimizers import make_optimizer
+    from essa.optimizers.layerwise import LayerwiseES
+
+    assert isinstance(FakeEvaluator(), Evaluator)
+    for name in ("cma_es", "openai_es"):
+        assert isinstance(make_optimizer(name, 3, population_size=4, sigma0=0.1, seed=0), Optimizer)
+    layerwise = LayerwiseES(
+        4,
+        layer_indices=[[0, 1], [2, 3]],
+        active_layers=1,
+        interval=2,
+        base="cma_es",
+        population_size=4,
+        sigma0=0.1,
+        seed=0,
+    )
+    assert isinstance(layerwise, Optimizer)
+
+
+def test_sigint_checkpoints_and_resume_is_bit_exact(tmp_path: Path) -> None:
+    cfg = _config("run.generations=6")
+    ref, _ = _fake_run(cfg, tmp_path / "ref")
+    run_dir = tmp_path / "split"
+    with pytest.raises(SystemExit) as info:
+        _fake_run(cfg, run_dir, interrupt_at=2)
+    assert info.value.code == 130
+    assert json.loads((run_dir / "checkpoint.json").read_text())["optimizer"]["generation"] == 3
+    assert _generations(run_dir) == [-1, 0, 1, 2]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    resumed, _ = _fake_run(cfg, run_dir, resume=True)
+    assert resumed.checksum() == ref.checksum()
+    assert _generations(run_dir) == [-1, 0, 1, 2, 3, 4, 5]
+
+
+def test_wall_clock_budget_stops_after_a_checkpointed_step(tmp_path: Path) -> None:
+    cfg = _config("run.generations=6", "run.max_wall_seconds=1e-9")
+    opt, _ = _fake_run(cfg, tmp_path)
+    assert opt.generation == 1
+    assert json.loads((tmp_path / "checkpoint.json").read_text())["optimizer"]["generation"] == 1
+
+
+def test_checkpoint_cadence_saves_every_nth_step_and_the_last(tmp_path: Path) -> None:
+    cfg = _config("run.generations=5")
+    h = Harness(cfg, tmp_path, resume=False, console=None, comm=get_comm("local"))
+    h.checkpoint_every = 2
+    saved: list[int] = []
+    for step in h.steps(0, show=lambda record: {}):
+        step.finish({"generation": step.index}, lambda i=step.index: saved.append(i + 1))
+    assert saved == [2, 4, 5]
+
+
+def test_phase_prints_one_closing_line_and_writes_a_phase_record(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from essa.rundir import MetricsLog
+
+    out = io.StringIO()
+    reporter = Reporter(
+        Console(file=out, width=200), show_progress=True, log=MetricsLog(tmp_path / "p.jsonl")
+    )
+    with reporter.phase("SFT", 3, unit="steps") as bar:
+        for loss in (0.5, 0.4, 0.3):
+            bar.advance(1, loss=loss)
+        with reporter.phase("held-out", 10, unit="rows") as inner:  # nested: one live display
+            inner.advance(10)
+    lines = out.getvalue().strip().splitlines()
+    assert lines[0].startswith("held-out: 10/10 rows in ")
+    assert lines[1].startswith("SFT: 3/3 steps in ") and lines[1].endswith(", loss 0.3")
+    records = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in records] == ["held-out", "SFT"]
+    assert all(r["event"] == "phase" and r["seconds"] >= 0 for r in records)
+    assert records[1]["done"] == 3 and records[1]["total"] == 3 and records[1]["loss"] == 0.3
+
+
+def test_phases_without_a_console_only_record(tmp_path: Path) -> None:
+    from essa.rundir import MetricsLog
+
+    reporter = Reporter(None, log=MetricsLog(tmp_path / "p.jsonl"))
+    with reporter.phase("model load"):
+        pass
+    (record,) = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert record["phase"] == "model load" and record["total"] is None
+
+
+# --------------------------------------------------------------------------- GRPO, real CLI
+
+GRPO = [
+    "algorithm=grpo",
+    "sft.steps=4",
+    "data.sft_size=32",
+    "data.test_size=40",
+    "evaluation.every=0",
+    "grpo.prompts_per_step=4",
+    "grpo.group_size=4",
+    "grpo.lr_schedule=constant",  # a schedule over run.generations would differ on resume
+    "run.show_progress=false",
+    "run.generations=6",
+]
+
+
+def _cli(*args: str, **kwargs: object) -> list[str]:
+    return [sys.executable, "-m", "essa.cli", *args]
+
+
+def _sets(items: list[str]) -> list[str]:
+    return [arg for item in items for arg in ("--set", item)]
+
+
+@pytest.mark.slow
+def test_grpo_sigint_checkpoints_exits_130_and_resumes_bit_exactly(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ref = tmp_path / "ref"
+    res = subprocess.run(
+        _cli("train", "--run-dir", str(ref), *_sets(GRPO)), capture_output=True, text=True, env=env
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        _cli("train", "--run-dir", str(run_dir), *_sets(GRPO)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:  # the run's own file says when
+        if metrics.exists() and '"generation": 0,' in metrics.read_text():
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert f"continue with: essa train --resume {run_dir}" in out
+    assert not (run_dir / "summary.json").exists()
+    state = json.loads((run_dir / "checkpoint" / "state.json").read_text())
+    gens = [json.loads(line)["generation"] for line in metrics.read_text().splitlines()]
+    assert 1 <= state["step"] < 6 and gens == list(range(-1, state["step"]))
+
+    res = subprocess.run(
+        _cli("train", "--resume", str(run_dir)), capture_output=True, text=True, env=env
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    a = load_file(str(ref / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    assert set(a) == set(b)
+    for key in a:
+        assert (a[key] == b[key]).all(), key
+    gens = [json.loads(line)["generation"] for line in metrics.read_text().splitlines()]
+    assert gens == [-1, 0, 1, 2, 3, 4, 5]
+    phases = [
+        json.loads(line)["phase"] for line in (run_dir / "phases.jsonl").read_text().splitlines()
+    ]
+    assert phases.count("model load") == 2 and "export" in phases and "SFT" in phases
+
+
+# --------------------------------------------------------------------------- demo bytes
+
+# sha256 of adapter/adapter_model.safetensors after `essa train --set run.generations=6` (the
+# demo config, seed 0), recorded before the harness refactor (commit 9379775) and after it.
+# Float kernels differ between CPUs and torch builds, so the hash is pinned for the platform it
+# was recorded on only; elsewhere the test is skipped with that reason.
+DEMO_SHA256 = "65caead42538d94f3502a06f648a0a4102a182a3eab498d6850e146234e29267"
+DEMO_PLATFORM = {"machine": "x86_64", "torch": "2.13"}
+
+
+@pytest.mark.slow
+def test_demo_adapter_bytes_unchanged_for_seed_0(tmp_path: Path) -> None:
+    import hashlib
+    import platform
+
+    import torch
+
+    here = {"machine": platform.machine(), "torch": ".".join(torch.__version__.split(".")[:2])}
+    if here != DEMO_PLATFORM or torch.cuda.is_available():
+        pytest.skip(f"demo hash recorded on CPU {DEMO_PLATFORM}, this is {here}")
+    run_dir = tmp_path / "demo"
+    res = subprocess.run(
+        _cli(
+            "train",
+            "--run-dir",
+            str(run_dir),
+            *_sets(["run.generations=6", "run.show_progress=false"]),
+        ),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = (run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == DEMO_SHA256
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["baseline_accuracy"], summary["final_accuracy"]) == (0.598, 0.828)
+    assert summary["scale_baseline"]["heldout_accuracy"] == 0.863
