@@ -141,6 +141,8 @@ class RunConfig:
     seed: int = 0
     max_wall_seconds: float | None = None  # stop after this budget (checked between generations)
     show_progress: bool = True
+    # Experiment trackers, any subset (none by default; [track] extra), all offline-safe.
+    report_to: tuple[Literal["tensorboard", "wandb", "trackio"], ...] = ()
 
 
 GRPOLoss = Literal["grpo", "dr_grpo", "dapo", "ngrpo", "w_reinforce", "psr", "nsr", "dcpo"]
@@ -405,6 +407,8 @@ def check_values(cfg: Config) -> None:
     for key, value in nonneg.items():
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
+    if len(set(cfg.run.report_to)) != len(cfg.run.report_to):
+        raise ConfigError(f"run.report_to: a tracker is named twice: {list(cfg.run.report_to)}")
     if cfg.reward.timeout_seconds is not None and not cfg.reward.timeout_seconds > 0:
         raise ConfigError(f"reward.timeout_seconds: must be > 0, got {cfg.reward.timeout_seconds}")
     if not 0.0 < cfg.adapter.alpha <= 1.0:
