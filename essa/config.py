@@ -124,6 +124,11 @@ class GenerationConfig:
     top_p: float = 1.0
 
 
+# Rewards that compare a completion with the reference: the only held-out metrics (registered
+# names; module:function rewards are taken at their word).
+HELDOUT_METRICS = ("math_accuracy", "exact_match", "gym_score")
+
+
 @dataclass(frozen=True)
 class EvaluationConfig:
     strategy: Literal["auto", "batched", "merged"] = "auto"
@@ -132,6 +137,10 @@ class EvaluationConfig:
     select: Literal["mean", "best"] = "mean"  # which solution is exported
     use_scale_baseline: bool = True  # also report the SFT adapter uniformly scaled (no search)
     use_prefix_cache: bool = True  # encode the prompts' shared token prefix once per candidate
+    # Held-out score: a correctness metric (HELDOUT_METRICS) or module:function comparing with
+    # the reference answers. None: the training reward when it is one of these, else
+    # math_accuracy (a shaping or label-free training reward says nothing about correctness).
+    metric: str | None = None
 
 
 @dataclass(frozen=True)
@@ -435,9 +444,20 @@ def check_values(cfg: Config) -> None:
             f"evaluation.strategy: merged cannot fold candidates into "
             f"model.quantization={cfg.model.quantization} weights; use batched or auto"
         )
+    _check_heldout_metric(cfg.evaluation.metric)
     _check_grpo(cfg.grpo, cfg.generation.max_new_tokens)
     _check_layer_sampling(cfg)
     _check_vllm(cfg)
+
+
+def _check_heldout_metric(metric: str | None) -> None:
+    if metric is None or metric in HELDOUT_METRICS or ":" in metric:
+        return
+    raise ConfigError(
+        f"evaluation.metric: {metric!r} does not compare completions with the reference answers, "
+        f"so it cannot score held-out data; use one of {', '.join(HELDOUT_METRICS)} or "
+        "module:function"
+    )
 
 
 # Recent vLLM releases dropped these (infra §3.5); any other name is checked by vLLM itself.
