@@ -250,7 +250,7 @@ def _sample_metrics(
     from essa.recipes.common import render_prompts
     from essa.rewards import extract_answer, get_reward
 
-    prompts = render_prompts(examples, cfg.data.template, tokenizer)
+    prompts = render_prompts(examples, cfg.data.template, tokenizer, cfg.data.system_prompt)
     rows = [p for p in prompts for _ in range(k)]  # problem-major
     texts, _ = generate_texts(
         model,

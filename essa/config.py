@@ -103,6 +103,8 @@ class DataConfig:
     solution_field: str | None = None  # full reference solution for SFT (default: the answer)
     split: str | None = None  # hub datasets only
     template: str = "raw"  # prompt template name (raw, chat, qwen_math_cot, qwen_boxed, r1)
+    system_prompt: str | None = None  # template chat only: a system turn before the question
+    params: dict[str, Any] = field(default_factory=dict)  # reasoning_gym:TASK: the task's config
     sft_size: int = 100  # training examples reserved for the SFT stage
     test_size: int = 1000  # held-out examples (builtin tasks have a fixed split)
     batch_size: int = 64  # prompts per generation, shared by all candidates
@@ -445,9 +447,29 @@ def check_values(cfg: Config) -> None:
             f"model.quantization={cfg.model.quantization} weights; use batched or auto"
         )
     _check_heldout_metric(cfg.evaluation.metric)
+    _check_data(cfg)
     _check_grpo(cfg.grpo, cfg.generation.max_new_tokens)
     _check_layer_sampling(cfg)
     _check_vllm(cfg)
+
+
+def _check_data(cfg: Config) -> None:
+    d = cfg.data
+    if d.system_prompt is not None and d.template != "chat":
+        raise ConfigError(
+            f"data.system_prompt: applies to template chat only; template {d.template} has "
+            "its own fixed prompt"
+        )
+    if d.params and not d.source.startswith("reasoning_gym:"):
+        raise ConfigError(
+            f"data.params: only reasoning_gym:TASK sources take parameters, not {d.source}"
+        )
+    gym_params = cfg.reward.params.get("params") or {}
+    if cfg.reward.name == "gym_score" and gym_params != d.params:
+        raise ConfigError(
+            "reward.params.params: gym_score regenerates the task, so it needs the same "
+            f"parameters as data.params; got {gym_params} vs {d.params}"
+        )
 
 
 def _check_heldout_metric(metric: str | None) -> None:
