@@ -268,6 +268,37 @@ def _sample_metrics(
     return metrics if k > 1 else {"pass@1": metrics["pass@1"]}
 
 
+@app.command("export")
+@guarded
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A finished run directory")],
+    merged: Annotated[
+        Path, typer.Option(help="Write the adapter merged into the base here (plain HF model)")
+    ],
+    adapter: Annotated[
+        Path | None, typer.Option(help="PEFT adapter to merge (default: RUN_DIR/adapter)")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory")] = False,
+) -> None:
+    """Merge the run's chosen adapter into its base: a checkpoint served without PEFT."""
+    from essa.adapters.merge_export import export_merged
+
+    _setup_logging()
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"{run_dir}: not a run directory (no config.yaml)")
+    if merged.exists() and not overwrite:
+        raise UserError(f"{merged} exists; pass --overwrite to replace it")
+    cfg = load_config(run_dir / "config.yaml")
+    result = export_merged(cfg, adapter or run_dir / "adapter", merged)
+    if result.note:
+        typer.echo(f"note: {result.note}", err=True)
+    typer.echo(
+        f"merged {result.adapter_dir} into {result.base} ({result.dtype}): {result.out_dir}\n"
+        f"load it with AutoModelForCausalLM.from_pretrained({str(result.out_dir)!r}) "
+        f"or serve it: vllm serve {result.out_dir}"
+    )
+
+
 @app.command()
 @guarded
 def compare(

@@ -571,8 +571,8 @@ def _finish(
         "generations": opt.generation,
         "wall_seconds": round(state["elapsed"] + time.perf_counter() - t0, 2),
         "process_wall_seconds": round(time.perf_counter() - wall_start, 2),
-        "adapter_dir": str(adapter_dir),
-        "sft_adapter_dir": sft_dir,
+        "adapter_dir": str(adapter_dir.resolve()),  # absolute: the run may start elsewhere
+        "sft_adapter_dir": str(Path(sft_dir).resolve()),
         "selected": cfg.evaluation.select,
         "scale_baseline": state.get("scale_baseline"),
         "dim": adapter.dim,
