@@ -18,7 +18,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from essa.config import Config, ConfigError, dump_config, load_config
+from essa.config import Config, ConfigError, dump_config, load_config, tiny_sft_warning
 from essa.errors import UserError
 
 app = typer.Typer(
@@ -138,6 +138,9 @@ def train(
         cfg = _resolve(config, set_)
         directory = run_dir or Path(cfg.run.dir)
     if comm.rank == 0:  # the others wait: rank 0 alone creates, checks or replaces it
+        warning = tiny_sft_warning(cfg)
+        if warning is not None and resume is None:
+            typer.echo(warning, err=True)
         prepare_run_dir(directory, resume=resume is not None, overwrite=overwrite)
         if resume is None:  # at once, so that a kill at any later moment can be resumed
             from essa.rundir import atomic_write_text
@@ -178,6 +181,9 @@ def sft(
     directory = run_dir or Path(cfg.run.dir)
     if cfg.adapter.path is not None:
         raise UserError("adapter.path is set: `essa sft` trains a new adapter; unset it")
+    warning = tiny_sft_warning(cfg)
+    if warning is not None:
+        typer.echo(warning, err=True)
     prepare_run_dir(directory, resume=False, overwrite=overwrite)
     (directory / "config.yaml").write_text(dump_config(cfg))
     seed_everything(cfg.run.seed)

@@ -68,8 +68,13 @@ def _r1(question: str, tokenizer: Any) -> str:
     return f"{_R1_INSTRUCTION}\nUser: {question}\nAssistant: <think>"
 
 
+def _auto(question: str, tokenizer: Any) -> str:
+    return TEMPLATES[resolve_template("auto", tokenizer)](question, tokenizer)
+
+
 # name -> render(question, tokenizer); see render_prompt for each template's source.
 TEMPLATES: dict[str, Callable[[str, Any], str]] = {
+    "auto": _auto,
     "raw": _raw,
     "chat": _chat,
     "qwen_math_cot": _qwen_math_cot,
@@ -88,12 +93,27 @@ def _has_token(tokenizer: Any, token: str) -> bool:
     return token_id is not None and token_id != tokenizer.unk_token_id
 
 
+def resolve_template(template: str, tokenizer: Any) -> str:
+    """``auto`` -> ``chat`` for a tokenizer with a chat template, else ``raw``; others as given."""
+    if template != "auto":
+        return template
+    has_chat = tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None
+    return "chat" if has_chat else "raw"
+
+
 def check_template(template: str, tokenizer: Any, system_prompt: str | None = None) -> None:
     """Refuse, in one line, a template this tokenizer cannot render as its model expects."""
     if template not in TEMPLATES:
         raise ValueError(
             f"unknown prompt template {template!r}; known: {', '.join(known_templates())}"
         )
+    if template == "auto" and system_prompt is not None:
+        if resolve_template(template, tokenizer) != "chat":
+            raise ValueError(
+                "data.system_prompt needs a chat template; template 'auto' found none in the "
+                "tokenizer and renders the question raw"
+            )
+        return
     if system_prompt is not None and template != "chat":
         raise ValueError(
             f"data.system_prompt applies to template 'chat' only; template {template!r} has "
@@ -133,6 +153,7 @@ def render_prompt(
 ) -> str:
     """The model input for ``question`` under ``template``:
 
+    - ``auto``: ``chat`` when the tokenizer has a chat template, else ``raw``;
     - ``raw``: the question unchanged (toy tasks, e.g. ``"12+30="``);
     - ``chat``: ``tokenizer.apply_chat_template`` on one user turn (after a system turn
       holding ``system_prompt``, when given) with ``add_generation_prompt=True`` (the caller
@@ -148,6 +169,7 @@ def render_prompt(
     ['<|im_start|>user', '1+1?<|im_end|>']
     """
     check_template(template, tokenizer, system_prompt)
+    template = resolve_template(template, tokenizer)
     if template == "chat":
         text = _chat(question, tokenizer, system_prompt)
     else:
@@ -160,6 +182,7 @@ def render_prompts(
 ) -> list[str]:
     """:func:`render_prompt` of each question, the tokenizer checked once."""
     check_template(template, tokenizer, system_prompt)
+    template = resolve_template(template, tokenizer)
     bos = tokenizer.bos_token if adds_bos(tokenizer) else None
     texts = []
     for question in questions:
