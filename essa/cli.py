@@ -161,6 +161,20 @@ def train(
         raise UserError(f"algorithm: {cfg.algorithm} is not available")
     if comm.rank == 0:
         typer.echo(json.dumps(summary, indent=2))
+        typer.echo(next_steps(directory, summary))
+
+
+def next_steps(run_dir: Path, summary: dict[str, Any]) -> str:
+    """The last lines of a run: where the adapter is, how to evaluate and export it."""
+    import shlex
+
+    run = shlex.quote(str(run_dir))
+    adapter = summary.get("adapter_dir") or str(run_dir / "adapter")
+    return (
+        f"adapter:  {adapter}\n"
+        f"evaluate: essa eval {run}/config.yaml --adapter {shlex.quote(str(adapter))}\n"
+        f"export:   essa export {run} --merged {run}/merged"
+    )
 
 
 @app.command()
@@ -211,10 +225,15 @@ def evaluate(
     samples: Annotated[
         int, typer.Option(help="Completions per problem (>1 needs temperature > 0)")
     ] = 1,
-    output: Annotated[Path | None, typer.Option(help="Write the JSON result here")] = None,
+    output: Annotated[
+        Path | None,
+        typer.Option(help="Write the JSON result here, and per-item records to FILE.items.jsonl"),
+    ] = None,
 ) -> None:
-    """pass@1 on the held-out split; with --samples K also avg@K, pass@K and maj@K."""
+    """pass@1 on the held-out split under evaluation.metric; with --samples K also avg@K,
+    pass@K and maj@K."""
     from essa.backends.hf import load_model
+    from essa.evaluation import check_heldout_answers, heldout_metric
     from essa.recipes.common import load_task, seed_everything
 
     _setup_logging()
@@ -225,6 +244,8 @@ def evaluate(
         )
     seed_everything(cfg.run.seed)
     task = load_task(cfg.data, cfg.run.seed)
+    metric, reward = heldout_metric(cfg)
+    check_heldout_answers(metric, task.test)
     model, tokenizer = load_model(cfg.model)
     if adapter is not None:
         if not (adapter / "adapter_config.json").exists():
@@ -234,27 +255,45 @@ def evaluate(
         from essa.recipes.common import load_peft_adapter
 
         model = load_peft_adapter(model, str(adapter), "--adapter").eval()
-    result = {
-        **_sample_metrics(cfg, model, tokenizer, task.test, samples),
+    metrics, items = _sample_metrics(cfg, model, tokenizer, task.test, samples, reward)
+    result: dict[str, Any] = {
+        **metrics,
+        "metric": metric,
         "n": len(task.test),
         "samples": samples,
         "adapter": str(adapter) if adapter else None,
         "model": cfg.model.name_or_path,
     }
+    if output is not None:
+        result["items"] = str(_write_items(output, items))
     text = json.dumps(result, indent=2)
     typer.echo(text)
     if output is not None:
         output.write_text(text + "\n")
 
 
+def items_path(output: Path) -> Path:
+    """Where ``--output FILE`` puts the per-item records: ``FILE`` minus .json + .items.jsonl."""
+    stem = output.name.removesuffix(".json")
+    return output.with_name(f"{stem}.items.jsonl")
+
+
+def _write_items(output: Path, items: list[dict[str, Any]]) -> Path:
+    path = items_path(output)
+    path.write_text("".join(json.dumps(item) + "\n" for item in items))
+    return path
+
+
 def _sample_metrics(
-    cfg: Config, model: Any, tokenizer: Any, examples: list[Any], k: int
-) -> dict[str, float]:
-    """Generate k completions per problem; grade with math-verify; majority keys from answers."""
+    cfg: Config, model: Any, tokenizer: Any, examples: list[Any], k: int, reward: Any
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Generate k completions per problem and grade them with the held-out metric ``reward``;
+    majority keys from extracted answers. Returns the metrics and one record per completion."""
     from essa.backends.hf import generate_texts
     from essa.metrics import sample_metrics
     from essa.recipes.common import render_prompts
-    from essa.rewards import extract_answer, get_reward
+    from essa.rewards import extract_answer
+    from essa.samples import item_records
 
     prompts = render_prompts(examples, cfg.data.template, tokenizer, cfg.data.system_prompt)
     rows = [p for p in prompts for _ in range(k)]  # problem-major
@@ -267,11 +306,15 @@ def _sample_metrics(
         seed=cfg.run.seed,
     )
     answers = [e.answer for e in examples for _ in range(k)]
-    scores = get_reward("math_accuracy")(texts, answers, rows)
+    scores = reward(texts, answers, rows)
     correct = [[s or 0.0 for s in scores[i * k : (i + 1) * k]] for i in range(len(examples))]
     keys = [[extract_answer(t) for t in texts[i * k : (i + 1) * k]] for i in range(len(examples))]
     metrics = sample_metrics(correct, ks=sorted({1, k}), keys=keys)
-    return metrics if k > 1 else {"pass@1": metrics["pass@1"]}
+    questions = [e.prompt for e in examples for _ in range(k)]
+    items = item_records(questions, texts, answers, scores)
+    for i, item in enumerate(items):
+        item["sample"] = i % k
+    return (metrics if k > 1 else {"pass@1": metrics["pass@1"]}), items
 
 
 @app.command("export")
