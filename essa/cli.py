@@ -127,6 +127,8 @@ def train(
 
     comm = get_comm()
     _setup_logging()
+    from essa.tracking import check_trackers
+
     if resume is not None:
         if config is not None and comm.rank == 0:
             typer.echo(
@@ -137,9 +139,13 @@ def train(
     else:
         cfg = _resolve(config, set_)
         directory = run_dir or Path(cfg.run.dir)
+    check_trackers(cfg.run.report_to)  # a missing library fails before any model loads
     if comm.rank == 0:  # the others wait: rank 0 alone creates, checks or replaces it
         warning = tiny_sft_warning(cfg)
         if warning is not None and resume is None:
+            from essa.backends.hf import resolve_model_path
+
+            resolve_model_path(cfg.model.name_or_path)  # a missing model: its error line alone
             typer.echo(warning, err=True)
         prepare_run_dir(directory, resume=resume is not None, overwrite=overwrite)
         if resume is None:  # at once, so that a kill at any later moment can be resumed

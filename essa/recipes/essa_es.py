@@ -575,6 +575,7 @@ def _finish(
         "sft_adapter_dir": str(Path(sft_dir).resolve()),
         "selected": cfg.evaluation.select,
         "scale_baseline": state.get("scale_baseline"),
+        "scale_baseline_ran": "scale_baseline" in state,  # off by default for real models
         "dim": adapter.dim,
         "test_size": state["test_size"],
         **memory_metrics(state["model_bytes"]),
