@@ -21,7 +21,7 @@ import io
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -158,7 +158,11 @@ class TrackioTracker:
             self.trackio.finish()  # also clears trackio's current run, so atexit has nothing left
 
 
-_FACTORIES = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "trackio": TrackioTracker}
+_FACTORIES: dict[str, Callable[[Path, Mapping[str, Any]], Tracker]] = {
+    "tensorboard": TensorBoardTracker,
+    "wandb": WandbTracker,
+    "trackio": TrackioTracker,
+}
 
 
 class Trackers:
