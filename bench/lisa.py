@@ -53,7 +53,7 @@ def memory_worker(mode: str, model_path: str, steps: int, out: Path) -> None:
     torch.manual_seed(0)
     model, tokenizer = load_model(ModelConfig(name_or_path=model_path, num_threads=1))
     loaded_rss = peak_rss_mb()
-    task = load_task(DataConfig(), 0)
+    task = load_task(DataConfig(sft_size=100), 0)  # the demo split, as measured
     prompts = render_prompts(task.sft, "raw", tokenizer)
     step_fn, params_of = _trainer(mode, model)
     model.train()

@@ -86,7 +86,11 @@ def generation_seconds(population: int, repeats: int) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(population, adapter.dim)) * adapter.stds() * 0.5  # (P, D)
     evaluator = PopulationEvaluator(
-        model, tokenizer, adapter, GenerationConfig(), EvaluationConfig(strategy="batched")
+        model,
+        tokenizer,
+        adapter,
+        GenerationConfig(max_new_tokens=8),
+        EvaluationConfig(strategy="batched"),
     )
     evaluator.completions(x[:2], prompts[:2])  # first-call costs, untimed
     seconds = []

@@ -163,7 +163,11 @@ def in_process(model_path: str, repeats: int, shape: tuple[int, int]) -> dict[st
     prompts = [e.prompt for e in arithmetic_examples()[1][:num_prompts]]
     evaluators = {
         mode: PopulationEvaluator(
-            model, tokenizer, adapter, GenerationConfig(), EvaluationConfig(strategy="batched")
+            model,
+            tokenizer,
+            adapter,
+            GenerationConfig(max_new_tokens=8),
+            EvaluationConfig(strategy="batched"),
         )
         for mode, (model, tokenizer) in loaded.items()
     }

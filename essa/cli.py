@@ -17,7 +17,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from essa.config import Config, ConfigError, dump_config, load_config
+from essa.config import Config, ConfigError, dump_config, load_config, tiny_sft_warning
 from essa.errors import UserError
 
 app = typer.Typer(
@@ -126,6 +126,8 @@ def train(
 
     comm = get_comm()
     _setup_logging()
+    from essa.tracking import check_trackers
+
     if resume is not None:
         if config is not None and comm.rank == 0:
             typer.echo(
@@ -136,7 +138,14 @@ def train(
     else:
         cfg = _resolve(config, set_)
         directory = run_dir or Path(cfg.run.dir)
+    check_trackers(cfg.run.report_to)  # a missing library fails before any model loads
     if comm.rank == 0:  # the others wait: rank 0 alone creates, checks or replaces it
+        warning = tiny_sft_warning(cfg)
+        if warning is not None and resume is None:
+            from essa.backends.hf import resolve_model_path
+
+            resolve_model_path(cfg.model.name_or_path)  # a missing model: its error line alone
+            typer.echo(warning, err=True)
         prepare_run_dir(directory, resume=resume is not None, overwrite=overwrite)
         if resume is None:  # at once, so that a kill at any later moment can be resumed
             from essa.rundir import atomic_write_text
@@ -157,6 +166,20 @@ def train(
         raise UserError(f"algorithm: {cfg.algorithm} is not available")
     if comm.rank == 0:
         typer.echo(json.dumps(summary, indent=2))
+        typer.echo(next_steps(directory, summary))
+
+
+def next_steps(run_dir: Path, summary: dict[str, Any]) -> str:
+    """The last lines of a run: where the adapter is, how to evaluate and export it."""
+    import shlex
+
+    run = shlex.quote(str(run_dir))
+    adapter = summary.get("adapter_dir") or str(run_dir / "adapter")
+    return (
+        f"adapter:  {adapter}\n"
+        f"evaluate: essa eval {run}/config.yaml --adapter {shlex.quote(str(adapter))}\n"
+        f"export:   essa export {run} --merged {run}/merged"
+    )
 
 
 @app.command()
@@ -177,6 +200,9 @@ def sft(
     directory = run_dir or Path(cfg.run.dir)
     if cfg.adapter.path is not None:
         raise UserError("adapter.path is set: `essa sft` trains a new adapter; unset it")
+    warning = tiny_sft_warning(cfg)
+    if warning is not None:
+        typer.echo(warning, err=True)
     prepare_run_dir(directory, resume=False, overwrite=overwrite)
     (directory / "config.yaml").write_text(dump_config(cfg))
     seed_everything(cfg.run.seed)
@@ -207,10 +233,15 @@ def evaluate(
     samples: Annotated[
         int, typer.Option(help="Completions per problem (>1 needs temperature > 0)")
     ] = 1,
-    output: Annotated[Path | None, typer.Option(help="Write the JSON result here")] = None,
+    output: Annotated[
+        Path | None,
+        typer.Option(help="Write the JSON result here, and per-item records to FILE.items.jsonl"),
+    ] = None,
 ) -> None:
-    """pass@1 on the held-out split; with --samples K also avg@K, pass@K and maj@K."""
+    """pass@1 on the held-out split under evaluation.metric; with --samples K also avg@K,
+    pass@K and maj@K."""
     from essa.backends.hf import load_model
+    from essa.evaluation import check_heldout_answers, heldout_metric
     from essa.recipes.common import load_task, seed_everything
 
     _setup_logging()
@@ -221,6 +252,8 @@ def evaluate(
         )
     seed_everything(cfg.run.seed)
     task = load_task(cfg.data, cfg.run.seed)
+    metric, reward = heldout_metric(cfg)
+    check_heldout_answers(metric, task.test)
     model, tokenizer = load_model(cfg.model)
     if adapter is not None:
         if not (adapter / "adapter_config.json").exists():
@@ -230,29 +263,47 @@ def evaluate(
         from essa.recipes.common import load_peft_adapter
 
         model = load_peft_adapter(model, str(adapter), "--adapter").eval()
-    result = {
-        **_sample_metrics(cfg, model, tokenizer, task.test, samples),
+    metrics, items = _sample_metrics(cfg, model, tokenizer, task.test, samples, reward)
+    result: dict[str, Any] = {
+        **metrics,
+        "metric": metric,
         "n": len(task.test),
         "samples": samples,
         "adapter": str(adapter) if adapter else None,
         "model": cfg.model.name_or_path,
     }
+    if output is not None:
+        result["items"] = str(_write_items(output, items))
     text = json.dumps(result, indent=2)
     typer.echo(text)
     if output is not None:
         output.write_text(text + "\n")
 
 
+def items_path(output: Path) -> Path:
+    """Where ``--output FILE`` puts the per-item records: ``FILE`` minus .json + .items.jsonl."""
+    stem = output.name.removesuffix(".json")
+    return output.with_name(f"{stem}.items.jsonl")
+
+
+def _write_items(output: Path, items: list[dict[str, Any]]) -> Path:
+    path = items_path(output)
+    path.write_text("".join(json.dumps(item) + "\n" for item in items))
+    return path
+
+
 def _sample_metrics(
-    cfg: Config, model: Any, tokenizer: Any, examples: list[Any], k: int
-) -> dict[str, float]:
-    """Generate k completions per problem; grade with math-verify; majority keys from answers."""
+    cfg: Config, model: Any, tokenizer: Any, examples: list[Any], k: int, reward: Any
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Generate k completions per problem and grade them with the held-out metric ``reward``;
+    majority keys from extracted answers. Returns the metrics and one record per completion."""
     from essa.backends.hf import generate_texts
     from essa.metrics import sample_metrics
     from essa.recipes.common import render_prompts
-    from essa.rewards import extract_answer, get_reward
+    from essa.rewards import extract_answer
+    from essa.samples import item_records
 
-    prompts = render_prompts(examples, cfg.data.template, tokenizer)
+    prompts = render_prompts(examples, cfg.data.template, tokenizer, cfg.data.system_prompt)
     rows = [p for p in prompts for _ in range(k)]  # problem-major
     texts, _ = generate_texts(
         model,
@@ -263,11 +314,46 @@ def _sample_metrics(
         seed=cfg.run.seed,
     )
     answers = [e.answer for e in examples for _ in range(k)]
-    scores = get_reward("math_accuracy")(texts, answers, rows)
+    scores = reward(texts, answers, rows)
     correct = [[s or 0.0 for s in scores[i * k : (i + 1) * k]] for i in range(len(examples))]
     keys = [[extract_answer(t) for t in texts[i * k : (i + 1) * k]] for i in range(len(examples))]
     metrics = sample_metrics(correct, ks=sorted({1, k}), keys=keys)
-    return metrics if k > 1 else {"pass@1": metrics["pass@1"]}
+    questions = [e.prompt for e in examples for _ in range(k)]
+    items = item_records(questions, texts, answers, scores)
+    for i, item in enumerate(items):
+        item["sample"] = i % k
+    return (metrics if k > 1 else {"pass@1": metrics["pass@1"]}), items
+
+
+@app.command("export")
+@guarded
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A finished run directory")],
+    merged: Annotated[
+        Path, typer.Option(help="Write the adapter merged into the base here (plain HF model)")
+    ],
+    adapter: Annotated[
+        Path | None, typer.Option(help="PEFT adapter to merge (default: RUN_DIR/adapter)")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory")] = False,
+) -> None:
+    """Merge the run's chosen adapter into its base: a checkpoint served without PEFT."""
+    from essa.adapters.merge_export import export_merged
+
+    _setup_logging()
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"{run_dir}: not a run directory (no config.yaml)")
+    if merged.exists() and not overwrite:
+        raise UserError(f"{merged} exists; pass --overwrite to replace it")
+    cfg = load_config(run_dir / "config.yaml")
+    result = export_merged(cfg, adapter or run_dir / "adapter", merged)
+    if result.note:
+        typer.echo(f"note: {result.note}", err=True)
+    typer.echo(
+        f"merged {result.adapter_dir} into {result.base} ({result.dtype}): {result.out_dir}\n"
+        f"load it with AutoModelForCausalLM.from_pretrained({str(result.out_dir)!r}) "
+        f"or serve it: vllm serve {result.out_dir}"
+    )
 
 
 @app.command()

@@ -70,8 +70,8 @@ class LayerwiseConfig:
 
 @dataclass(frozen=True)
 class SFTConfig:
-    steps: int = 4  # optimizer steps (the demo's SFT is deliberately short: a weak start)
-    batch_size: int = 100
+    steps: int = 125  # optimizer steps: 2 epochs of data.sft_size at batch_size (demo: 4)
+    batch_size: int = 16  # the paper's SFT batch (Table 6) (demo: 100, one step per epoch)
     lr: float = 3e-4
     weight_decay: float = 0.0
     max_length: int = 256  # tokens of prompt + solution
@@ -84,7 +84,9 @@ class SFTConfig:
 class OptimizerConfig:
     name: Literal["cma_es", "openai_es"] = "cma_es"
     population_size: int = 16  # lambda; the paper's default is 96
-    sigma0: float = 1.0  # initial step; in units of each SFT singular value when use_relative_steps
+    # Initial step, in units of each SFT singular value when use_relative_steps: 0.1 (spec §4)
+    # keeps a real model's answers intact (demo: 1.0, its tiny latent skill needs big steps).
+    sigma0: float = 0.1
     use_relative_steps: bool = True  # scale each coordinate by its SFT singular value
     variant: Literal["auto", "full", "sep"] = "auto"  # cma_es covariance
     sep_above_dim: int = 2000  # cma_es: diagonal covariance above this dimension when auto
@@ -102,8 +104,12 @@ class DataConfig:
     answer_field: str = "answer"
     solution_field: str | None = None  # full reference solution for SFT (default: the answer)
     split: str | None = None  # hub datasets only
-    template: str = "raw"  # prompt template name (raw, chat, qwen_math_cot, qwen_boxed, r1)
-    sft_size: int = 100  # training examples reserved for the SFT stage
+    # Prompt template (auto, raw, chat, qwen_math_cot, qwen_boxed, essa_math, r1); auto: the
+    # tokenizer's chat template when it has one, else raw (the demo's tokenizer has none).
+    template: str = "auto"
+    system_prompt: str | None = None  # template chat only: a system turn before the question
+    params: dict[str, Any] = field(default_factory=dict)  # reasoning_gym:TASK: the task's config
+    sft_size: int = 1000  # training examples reserved for the SFT stage (demo: 100)
     test_size: int = 1000  # held-out examples (builtin tasks have a fixed split)
     batch_size: int = 64  # prompts per generation, shared by all candidates
 
@@ -119,9 +125,14 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    max_new_tokens: int = 8
+    max_new_tokens: int = 256  # room for a short chain of thought (demo: 8, "a+b=" answers)
     temperature: float = 0.0  # 0 = greedy (the project default: all variation from parameters)
     top_p: float = 1.0
+
+
+# Rewards that compare a completion with the reference: the only held-out metrics (registered
+# names; module:function rewards are taken at their word).
+HELDOUT_METRICS = ("math_accuracy", "exact_match", "gym_score")
 
 
 @dataclass(frozen=True)
@@ -130,8 +141,14 @@ class EvaluationConfig:
     micro_batch_size: int = 1024  # sequences per forward
     every: int = 10  # held-out accuracy every N generations (0: only before and after)
     select: Literal["mean", "best"] = "mean"  # which solution is exported
-    use_scale_baseline: bool = True  # also report the SFT adapter uniformly scaled (no search)
+    # Also report the SFT adapter uniformly scaled (no search): 8 extra populations on 256
+    # prompts, so off by default (demo: on, where it is cheap and tells most of the story).
+    use_scale_baseline: bool = False
     use_prefix_cache: bool = True  # encode the prompts' shared token prefix once per candidate
+    # Held-out score: a correctness metric (HELDOUT_METRICS) or module:function comparing with
+    # the reference answers. None: the training reward when it is one of these, else
+    # math_accuracy (a shaping or label-free training reward says nothing about correctness).
+    metric: str | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +158,8 @@ class RunConfig:
     seed: int = 0
     max_wall_seconds: float | None = None  # stop after this budget (checked between generations)
     show_progress: bool = True
+    # Experiment trackers, any subset (none by default; [track] extra), all offline-safe.
+    report_to: tuple[Literal["tensorboard", "wandb", "trackio"], ...] = ()
 
 
 GRPOLoss = Literal["grpo", "dr_grpo", "dapo", "ngrpo", "w_reinforce", "psr", "nsr", "dcpo"]
@@ -200,6 +219,21 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+
+
+# The bundled demo's values where they differ from the schema's real-model defaults, filled in
+# by load_config when model.name_or_path is builtin:demo and the config does not set the key.
+# configs/demo.yaml spells them out; these keep `essa train --set ...` on the demo the same.
+DEMO_MODEL = "builtin:demo"
+DEMO_DEFAULTS: dict[str, Any] = {
+    "sft.steps": 4,
+    "sft.batch_size": 100,
+    "optimizer.sigma0": 1.0,
+    "data.template": "raw",
+    "data.sft_size": 100,
+    "generation.max_new_tokens": 8,
+    "evaluation.use_scale_baseline": True,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,6 +366,48 @@ def _apply_override(data: dict[str, Any], keys: list[str], value: Any) -> None:
     node[keys[-1]] = value
 
 
+def _fill_demo_defaults(data: dict[str, Any]) -> None:
+    """Give a builtin:demo config the demo's values (:data:`DEMO_DEFAULTS`) for unset keys."""
+    model = data.get("model")
+    name = model.get("name_or_path", DEMO_MODEL) if isinstance(model, dict) else DEMO_MODEL
+    if name != DEMO_MODEL:
+        return
+    for dotted, value in DEMO_DEFAULTS.items():
+        section, key = dotted.split(".")
+        node = data.get(section)
+        if node is None:
+            node = data[section] = {}
+        if isinstance(node, dict):  # a non-mapping section fails in _build with its line
+            node.setdefault(key, value)
+
+
+TINY_SFT_STEPS = 20
+
+
+def tiny_sft_warning(cfg: Config) -> str | None:
+    """One line when a real (non-builtin) model starts from a tiny SFT of its own, else None.
+
+    Tiny: fewer than :data:`TINY_SFT_STEPS` optimizer steps, or less than one pass over the
+    SFT examples; the search can only rescale what SFT found (essa.md §1.2).
+    """
+    if cfg.model.name_or_path.startswith("builtin:") or cfg.adapter.path is not None:
+        return None
+    s = cfg.sft
+    if s.steps >= TINY_SFT_STEPS and s.steps * s.batch_size >= cfg.data.sft_size:
+        return None
+    return (
+        f"warning: sft.steps={s.steps} x sft.batch_size={s.batch_size} on "
+        f"{cfg.data.sft_size} examples is a tiny SFT for {cfg.model.name_or_path}; ESSA only "
+        "searches the singular values SFT found, so train a real SFT first (raise sft.steps, "
+        "or set adapter.path to a trained LoRA)"
+    )
+
+
+def demo_config() -> Config:
+    """The embedded default (``essa train`` with no arguments): the schema plus the demo's values."""
+    return load_config(None)
+
+
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Load and validate a config file (or the embedded default when ``path`` is None)."""
     source = str(path) if path is not None else "<default>"
@@ -366,6 +442,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         keys, value = parse_override(text)
         _apply_override(data, keys, value)
         overridden.add(".".join(keys))
+
+    _fill_demo_defaults(data)
 
     def where(key_path: str) -> str:
         if key_path in overridden:
@@ -405,6 +483,8 @@ def check_values(cfg: Config) -> None:
     for key, value in nonneg.items():
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
+    if len(set(cfg.run.report_to)) != len(cfg.run.report_to):
+        raise ConfigError(f"run.report_to: a tracker is named twice: {list(cfg.run.report_to)}")
     if cfg.reward.timeout_seconds is not None and not cfg.reward.timeout_seconds > 0:
         raise ConfigError(f"reward.timeout_seconds: must be > 0, got {cfg.reward.timeout_seconds}")
     if not 0.0 < cfg.adapter.alpha <= 1.0:
@@ -431,9 +511,40 @@ def check_values(cfg: Config) -> None:
             f"evaluation.strategy: merged cannot fold candidates into "
             f"model.quantization={cfg.model.quantization} weights; use batched or auto"
         )
+    _check_heldout_metric(cfg.evaluation.metric)
+    _check_data(cfg)
     _check_grpo(cfg.grpo, cfg.generation.max_new_tokens)
     _check_layer_sampling(cfg)
     _check_vllm(cfg)
+
+
+def _check_data(cfg: Config) -> None:
+    d = cfg.data
+    if d.system_prompt is not None and d.template not in ("chat", "auto"):
+        raise ConfigError(
+            f"data.system_prompt: applies to template chat only; template {d.template} has "
+            "its own fixed prompt"
+        )
+    if d.params and not d.source.startswith("reasoning_gym:"):
+        raise ConfigError(
+            f"data.params: only reasoning_gym:TASK sources take parameters, not {d.source}"
+        )
+    gym_params = cfg.reward.params.get("params") or {}
+    if cfg.reward.name == "gym_score" and gym_params != d.params:
+        raise ConfigError(
+            "reward.params.params: gym_score regenerates the task, so it needs the same "
+            f"parameters as data.params; got {gym_params} vs {d.params}"
+        )
+
+
+def _check_heldout_metric(metric: str | None) -> None:
+    if metric is None or metric in HELDOUT_METRICS or ":" in metric:
+        return
+    raise ConfigError(
+        f"evaluation.metric: {metric!r} does not compare completions with the reference answers, "
+        f"so it cannot score held-out data; use one of {', '.join(HELDOUT_METRICS)} or "
+        "module:function"
+    )
 
 
 # Recent vLLM releases dropped these (infra §3.5); any other name is checked by vLLM itself.

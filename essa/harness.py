@@ -325,7 +325,7 @@ class Harness:
             "generations": steps,
             "wall_seconds": round(self.elapsed, 2),
             "process_wall_seconds": round(time.perf_counter() - self.started, 2),
-            "adapter_dir": str(adapter_dir),
+            "adapter_dir": str(Path(adapter_dir).resolve()),  # absolute: runs start anywhere
             **extra,
         }
 

@@ -37,6 +37,10 @@ SMALL = [
     "evaluation.strategy=batched",  # the same strategy on every rank: bit-identical fitness
     "run.show_progress=false",
     "reward.name=mpi_helpers:char_variety",
+    # The tiny model is not builtin:demo: pin the demo's values the schema no longer defaults to.
+    "generation.max_new_tokens=8",
+    "sft.batch_size=100",
+    "evaluation.use_scale_baseline=true",
 ]
 # Differ by rank count by design: timings, rank 0's own token count, the exchange itself.
 PER_RANK_KEYS = {

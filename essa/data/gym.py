@@ -12,6 +12,8 @@ completion with the task's own ``score_answer``.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from essa.types import Example
@@ -22,8 +24,19 @@ GYM_SEED = 20251129
 GYM_NUM_TEST = 200
 
 
-def gym_dataset(task: str, *, size: int = GYM_SIZE, seed: int = GYM_SEED) -> Any:
-    """``reasoning_gym.create_dataset(task, size=size, seed=seed)`` with clear errors."""
+def gym_dataset(
+    task: str,
+    *,
+    size: int = GYM_SIZE,
+    seed: int = GYM_SEED,
+    params: Mapping[str, Any] | None = None,
+) -> Any:
+    """``reasoning_gym.create_dataset(task, size=size, seed=seed, **params)`` with clear errors.
+
+    ``params`` are fields of the task's own config dataclass (e.g. ``min_digits``,
+    ``max_terms``: the difficulty); an unknown field or a value its ``validate`` rejects is a
+    ValueError naming it.
+    """
     try:
         import reasoning_gym
     except ImportError as error:
@@ -33,13 +46,30 @@ def gym_dataset(task: str, *, size: int = GYM_SIZE, seed: int = GYM_SEED) -> Any
     known = sorted(reasoning_gym.factory.DATASETS)
     if task not in known:
         raise ValueError(f"unknown reasoning-gym task {task!r}; known: {', '.join(known)}")
-    return reasoning_gym.create_dataset(task, size=size, seed=seed)
+    params = dict(params or {})
+    _check_params(task, reasoning_gym.factory.DATASETS[task][1], params)
+    try:
+        return reasoning_gym.create_dataset(task, size=size, seed=seed, **params)
+    except (AssertionError, ValueError, TypeError) as err:  # the config's validate()
+        raise ValueError(f"data.params {params}: rejected by {task}: {err}") from None
 
 
-def gym_examples(task: str, split: str | None = None) -> list[Example]:
-    """Examples of reasoning-gym ``task``: the fixed test part for ``split="test"``, else the
-    training pool (see the module docstring). ``answer`` is the task's reference answer."""
-    entries = list(gym_dataset(task))
+def _check_params(task: str, config_cls: type, params: dict[str, Any]) -> None:
+    known = [f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size")]
+    for key in params:
+        if key not in known:
+            raise ValueError(
+                f"data.params.{key}: not a parameter of {task} (known: {', '.join(known)})"
+            )
+
+
+def gym_examples(
+    task: str, split: str | None = None, params: Mapping[str, Any] | None = None
+) -> list[Example]:
+    """Examples of reasoning-gym ``task`` (built with ``params``): the fixed test part for
+    ``split="test"``, else the training pool (see the module docstring). ``answer`` is the
+    task's reference answer."""
+    entries = list(gym_dataset(task, params=params))
     train, test = entries[:-GYM_NUM_TEST], entries[-GYM_NUM_TEST:]
     if split == "test":
         chosen = test

@@ -207,11 +207,11 @@ def _builtin(source: str, split: str | None) -> list[Example]:
     return test if split == "test" else train
 
 
-def _gym(source: str, split: str | None) -> list[Example]:
+def _gym(source: str, split: str | None, params: Mapping[str, Any] | None) -> list[Example]:
     from essa.data.gym import GYM_PREFIX, gym_examples
 
     try:
-        return gym_examples(source.removeprefix(GYM_PREFIX), split)
+        return gym_examples(source.removeprefix(GYM_PREFIX), split, params)
     except ValueError as error:
         raise DataError(f"{source}: {error}") from error
 
@@ -235,8 +235,10 @@ def load_examples(
     solution_field: str | None = None,
     split: str | None = None,
     limit: int | None = None,
+    params: Mapping[str, Any] | None = None,
 ) -> list[Example]:
-    """Examples from ``source`` (see the module docstring), in file order, at most ``limit``.
+    """Examples from ``source`` (see the module docstring), in file order, at most ``limit``;
+    ``params`` configure a ``reasoning_gym:TASK`` source (the task's own config fields).
 
     ``answer_field=None`` reads unlabeled data, or MATH-style data whose answer is the boxed
     content of ``solution_field``. Raises :class:`DataError` naming FILE:LINE (or the row) for
@@ -247,7 +249,7 @@ def load_examples(
     if source.startswith("builtin:"):
         examples = _builtin(source, split)[:limit]
     elif source.startswith("reasoning_gym:"):
-        examples = _gym(source, split)[:limit]
+        examples = _gym(source, split, params)[:limit]
     else:
         examples = []
         for where, record in _records(source, split):

@@ -161,7 +161,10 @@ class CMAES(BestSoFar):
         """Build the pycma strategy from the constructor arguments alone."""
         # Imported here: `import cma` pulls in matplotlib (~0.6 s), and `import essa.optimizers`
         # must stay light.
-        import cma
+        with warnings.catch_warnings():
+            # pycma warns at import when matplotlib (its plotting only) is missing; we never plot.
+            warnings.filterwarnings("ignore", message="Could not import matplotlib.pyplot")
+            import cma
 
         rng = np.random.default_rng(np.random.SeedSequence(self._config["seed"]))
 

@@ -53,6 +53,7 @@ def load_task(cfg: DataConfig, seed: int) -> Task:
             answer_field=cfg.answer_field,
             solution_field=cfg.solution_field,
             split=cfg.split,
+            params=cfg.params,
         )
         order = np.random.default_rng(np.random.SeedSequence([seed, 7])).permutation(len(examples))
         shuffled = [examples[i] for i in order]
@@ -69,11 +70,13 @@ def load_task(cfg: DataConfig, seed: int) -> Task:
     return Task(sft=sft, train=train, test=test)
 
 
-def render_prompts(examples: Sequence[Example], template: str, tokenizer: Any) -> list[str]:
-    from essa.data.templates import render_prompt
+def render_prompts(
+    examples: Sequence[Example], template: str, tokenizer: Any, system_prompt: str | None = None
+) -> list[str]:
+    from essa.data.templates import render_prompts as render
 
     try:
-        return [render_prompt(template, ex.prompt, tokenizer=tokenizer) for ex in examples]
+        return render(template, [ex.prompt for ex in examples], tokenizer, system_prompt)
     except ValueError as err:
         raise UserError(f"data.template: {err}") from None
 
@@ -140,7 +143,7 @@ def load_or_train_adapter(
             "LoRA SFT adapter; use sft.trainable=lora here (`essa sft` alone trains full/LISA)"
         )
     peft_model = make_lora_model(model, cfg.adapter)
-    prompts = render_prompts(task.sft, cfg.data.template, tokenizer)
+    prompts = render_prompts(task.sft, cfg.data.template, tokenizer, cfg.data.system_prompt)
     with reporter.phase("SFT", cfg.sft.steps, unit="steps") as bar:
         losses = train_sft(
             peft_model,

@@ -81,8 +81,12 @@ def run(
     base = None if vllm else peft_model.unload()  # the engine loads its own copy of the base
     del model, peft_model
     evaluator = population_evaluator(cfg, base, tokenizer, adapter, h.comm.world_size)
-    train_prompts = common.render_prompts(task.train, cfg.data.template, tokenizer)
-    test_prompts = common.render_prompts(task.test, cfg.data.template, tokenizer)
+    train_prompts = common.render_prompts(
+        task.train, cfg.data.template, tokenizer, cfg.data.system_prompt
+    )
+    test_prompts = common.render_prompts(
+        task.test, cfg.data.template, tokenizer, cfg.data.system_prompt
+    )
     heldout = functools.partial(_heldout, h, evaluator, task.test, test_prompts)
     opt = common.make_es_optimizer(cfg, adapter)
     loaded = _load_checkpoint(run_dir, opt) if resume else None
@@ -278,9 +282,10 @@ def _finish(
         final=final,
         steps=opt.generation,
         adapter_dir=adapter_dir,
-        sft_adapter_dir=sft_dir,
+        sft_adapter_dir=str(Path(sft_dir).resolve()),  # absolute: the run may start elsewhere
         selected=cfg.evaluation.select,
         scale_baseline=state.get("scale_baseline"),
+        scale_baseline_ran="scale_baseline" in state,  # off by default for real models
         dim=adapter.dim,
         test_size=state["test_size"],
         **memory_metrics(state["model_bytes"]),

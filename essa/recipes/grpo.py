@@ -162,9 +162,9 @@ class _Data:
 
         return cls(
             task.train,
-            render_prompts(task.train, cfg.data.template, tokenizer),
+            render_prompts(task.train, cfg.data.template, tokenizer, cfg.data.system_prompt),
             task.test,
-            render_prompts(task.test, cfg.data.template, tokenizer),
+            render_prompts(task.test, cfg.data.template, tokenizer, cfg.data.system_prompt),
         )
 
 

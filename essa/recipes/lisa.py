@@ -257,7 +257,7 @@ def train_base_model(
     from essa.recipes.sft import train_sft
     from essa.rundir import atomic_dir
 
-    prompts = render_prompts(task.sft, cfg.data.template, tokenizer)
+    prompts = render_prompts(task.sft, cfg.data.template, tokenizer, cfg.data.system_prompt)
     if cfg.sft.trainable == "lisa":
         losses = train_sft_lisa(model, tokenizer, task.sft, prompts, cfg.sft, cfg.run.seed)
     else:

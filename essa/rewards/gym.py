@@ -45,7 +45,12 @@ class _EntryIndex:
 
 
 def gym_score(
-    stats: RewardStats, *, task: str, size: int | None = None, seed: int | None = None
+    stats: RewardStats,
+    *,
+    task: str,
+    size: int | None = None,
+    seed: int | None = None,
+    params: dict[str, Any] | None = None,
 ) -> ScoreFn:
     """Score with reasoning-gym's own ``score_answer`` for ``task``.
 
@@ -53,11 +58,13 @@ def gym_score(
     otherwise, per the task), where ``entry_i`` is the dataset entry whose question is
     ``prompts[i]`` (or is contained in it, when a template wrapped the question). The dataset is
     regenerated with the ``reasoning_gym:TASK`` source's ``size`` and ``seed``
-    (:mod:`essa.data.gym`); change them only together. None for a prompt of no entry.
+    (:mod:`essa.data.gym`) and its ``data.params`` (``params``); change them only together.
+    None for a prompt of no entry.
     """
     from essa.data.gym import GYM_SEED, GYM_SIZE, gym_dataset
 
-    dataset = gym_dataset(task, size=size or GYM_SIZE, seed=GYM_SEED if seed is None else seed)
+    seed = GYM_SEED if seed is None else seed
+    dataset = gym_dataset(task, size=size or GYM_SIZE, seed=seed, params=params)
     index = _EntryIndex(list(dataset))
 
     def score(

@@ -1,0 +1,106 @@
+"""essa export RUN_DIR --merged OUT: a plain HF checkpoint whose greedy completions equal the
+base + PEFT adapter's, on the bundled demo model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SMALL = [
+    "sft.steps=4",
+    "data.sft_size=32",
+    "data.batch_size=8",
+    "data.test_size=16",
+    "optimizer.population_size=4",
+    "run.generations=2",
+    "evaluation.every=0",
+    "evaluation.use_scale_baseline=false",
+    "run.show_progress=false",
+]
+PROMPTS = ["12+30=", "7+8=", "45+54=", "99+1=", "3+4=", "60+25="]
+
+
+def essa(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "essa.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+
+
+def greedy(model: torch.nn.Module, tokenizer: object, prompts: list[str]) -> list[str]:
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(
+            **batch, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )  # (B, T + 6)
+    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("export") / "run"
+    res = essa("train", "--run-dir", str(run_dir), *[a for s in SMALL for a in ("--set", s)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_merged_model_matches_adapter(run_dir: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from essa.backends.hf import resolve_model_path
+
+    out = tmp_path / "merged"
+    res = essa("export", str(run_dir), "--merged", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert str(out) in res.stdout
+    files = {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json"} <= files
+    assert not any("adapter" in name for name in files)  # no PEFT left
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["do_sample"] is False and generation["max_new_tokens"] == 8
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()  # transformers alone
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:demo"))
+    with_adapter = PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()
+    expected = greedy(with_adapter, tokenizer, PROMPTS)
+    assert greedy(merged, tokenizer, PROMPTS) == expected
+    plain = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:demo")).eval()
+    deltas = [
+        (a - b).abs().max().item()
+        for a, b in zip(merged.state_dict().values(), plain.state_dict().values(), strict=True)
+    ]
+    assert max(deltas) > 0  # the adapter really is in the weights
+
+
+def test_export_refusals(run_dir: Path, tmp_path: Path) -> None:
+    res = essa("export", str(tmp_path), "--merged", str(tmp_path / "m"))
+    assert res.returncode == 2 and "not a run directory" in res.stderr
+    (tmp_path / "m").mkdir()
+    res = essa("export", str(run_dir), "--merged", str(tmp_path / "m"))
+    assert res.returncode == 2 and "pass --overwrite" in res.stderr
+    res = essa("export", str(run_dir), "--merged", str(tmp_path / "n"), "--adapter", str(tmp_path))
+    assert res.returncode == 2 and "not a PEFT adapter directory" in res.stderr
+    assert res.stderr.count("\n") == 1
+
+
+def test_quantised_base_merges_into_full_precision(run_dir: Path, tmp_path: Path) -> None:
+    from essa.adapters.merge_export import export_merged
+    from essa.config import load_config
+
+    cfg = load_config(run_dir / "config.yaml", ["model.quantization=int8"])
+    result = export_merged(cfg, run_dir / "adapter", tmp_path / "merged")
+    assert result.note is not None and "full-precision base" in result.note
+    assert result.dtype == "float32"

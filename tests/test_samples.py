@@ -1,0 +1,94 @@
+"""Samples to read (RUN_DIR/samples.jsonl, the console table) and essa eval's per-item records."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from essa.samples import print_samples, sample_rows, samples_log, write_samples
+
+
+def test_sample_rows_log_and_resume_truncation(tmp_path: Path) -> None:
+    questions = ["12+30=", "7+8=", "1+1=", "5+5=", "9+9="]
+    completions = ["42", "16", "2\nmore", "x", "18"]
+    answers = ["42", "15", "2", "10", "18"]
+    log = samples_log(tmp_path)
+    for g in (-1, 9, 19):
+        write_samples(
+            log, sample_rows(g, questions, completions, answers, [1.0, 0.0, 1.0, None, 1.0])
+        )
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 12  # 4 per evaluation, the same prompts each time
+    assert rows[1] == {
+        "generation": -1,
+        "prompt": "7+8=",
+        "completion": "16",
+        "extracted": "16",
+        "reference": "15",
+        "reward": 0.0,
+    }
+    assert rows[3]["extracted"] is None and rows[3]["reward"] is None
+    log.truncate_after(9)  # resume from the checkpoint after generation 9
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert {r["generation"] for r in rows} == {-1, 9}
+
+
+def test_console_table_is_compact() -> None:
+    from rich.console import Console
+
+    console = Console(record=True, width=100, force_terminal=False)
+    long = "What is " + "very " * 30 + "long?"
+    rows = sample_rows(9, ["12+30=", long], ["42", "a\nb"], ["42", "7"], [1.0, 0.0])
+    print_samples(console, rows)
+    text = console.export_text()
+    lines = text.splitlines()
+    assert lines[0].rstrip() == "samples after generation 9"
+    assert len(lines) == 4 and all(len(line) <= 100 for line in lines)  # one line per sample
+    assert "12+30=" in text and "1.00" in text and "…" in text and "a⏎ b" in text
+    print_samples(None, rows)  # no console (other MPI ranks): nothing
+
+
+def essa(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "essa.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+
+
+@pytest.mark.slow
+def test_eval_output_writes_items_beside_aggregate(tmp_path: Path) -> None:
+    out = tmp_path / "eval.json"
+    res = essa("eval", "--output", str(out), "--set", "data.test_size=6")
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["metric"] == "math_accuracy" and result["items"] == str(
+        tmp_path / "eval.items.jsonl"
+    )
+    items = [json.loads(line) for line in (tmp_path / "eval.items.jsonl").read_text().splitlines()]
+    assert len(items) == 6
+    assert set(items[0]) == {"prompt", "completion", "extracted", "reference", "reward", "sample"}
+    assert "+" in items[0]["prompt"] and "<" not in items[0]["prompt"]  # the question itself
+    assert result["pass@1"] == pytest.approx(sum(i["reward"] or 0 for i in items) / 6)
+    res = essa(
+        "eval",
+        "--output",
+        str(out),
+        "--set",
+        "data.test_size=6",
+        "--set",
+        "evaluation.metric=exact_match",
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    exact = json.loads(out.read_text())
+    assert exact["metric"] == "exact_match"
+    items = [json.loads(line) for line in (tmp_path / "eval.items.jsonl").read_text().splitlines()]
+    assert exact["pass@1"] == pytest.approx(sum(i["reward"] or 0 for i in items) / 6)
