@@ -24,7 +24,6 @@ from essa.rewards.accuracy import MathVerifier, count_grades
 from essa.rewards.base import RewardStats, ScoreFn, group_indices
 from essa.rewards.extract import extract_answer
 
-
 POOLS = ("group", "population")  # whose completions vote (majority_vote's ``pool``)
 
 
