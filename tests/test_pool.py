@@ -49,16 +49,17 @@ def test_majority_counts_votes_across_candidates_and_samples() -> None:
     keys = np.array([[1, 2, 3, 3], [2, 2, 3, 0], [1, 1, 0, 0]])  # (P=3, M=4)
     # Two prompts with two samples each: prompt 0 is columns 0-1, prompt 1 columns 2-3.
     majority = population_majority(keys, [[0, 1], [2, 3]])
-    # Prompt 0 votes 1,2 | 2,2 | 1,1: a 3-3 tie, key 1 seen first; prompt 1: key 3 (3 votes).
+    # Prompt 0 votes 1,2 | 2,2 | 1,1: a 3-3 tie, the smaller key 1; prompt 1: key 3 (3 votes).
     assert majority.tolist() == [1, 3]
-    assert population_majority(keys[:, [1, 0, 2, 3]], [[0, 1], [2, 3]]).tolist() == [2, 3]
+    keys[2, 0] = 2  # now 2 has 4 votes
+    assert population_majority(keys, [[0, 1], [2, 3]]).tolist() == [2, 3]
 
 
-def test_majority_tie_goes_to_first_seen_in_candidate_order() -> None:
+def test_majority_tie_goes_to_the_smaller_key_whatever_the_order() -> None:
     keys = np.array([[7], [9], [9], [7]])
     assert population_majority(keys, [[0]]).tolist() == [7]
-    assert population_majority(keys[::-1], [[0]]).tolist() == [7]  # 7 is first seen again
-    assert population_majority(np.array([[9], [7], [7], [9]]), [[0]]).tolist() == [9]
+    assert population_majority(np.array([[9], [7], [7], [9]]), [[0]]).tolist() == [7]
+    assert population_majority(np.array([[-9], [7], [-9], [7]]), [[0]]).tolist() == [-9]
 
 
 def test_missing_answers_do_not_vote_and_score_zero() -> None:
@@ -91,7 +92,7 @@ def _local_pool() -> list[list[float]]:
 
 
 def test_pool_vote_of_the_fixture() -> None:
-    # 4 vs 5 vs 4.0 -> "4"; 7, 8, 8, 7, 9 -> tie 7/8, 7 seen first; 1/2 x3 vs x vs none -> 1/2.
+    # 4 vs 5 vs 4.0 -> "4"; 7, 8, 8, 7, 9 -> tie 7/8, the smaller key; 1/2 x3 vs x -> 1/2.
     assert _local_pool() == [
         [1.0, 1.0, 0.0],
         [1.0, 0.0, 0.0],

@@ -82,13 +82,14 @@ def population_majority(keys: np.ndarray, groups: Sequence[Sequence[int]]) -> np
     ``keys`` is the gathered (P, M) matrix in candidate order; ``groups[g]`` lists the columns
     (items) that belong to prompt g (one column per prompt with one sample per prompt, k columns
     with k samples). Missing answers do not vote; a group with no answer gets ``NO_ANSWER``.
-    Ties go to the answer seen first in candidate-major order (candidate 0's items first), an
-    order every rank count shares.
+    A tie goes to the smallest key: a pseudo-random but fixed choice that depends neither on
+    the candidates' order in the population nor on the rank count (the first-seen rule of
+    TTRL's code would make a candidate's fitness depend on its position).
 
     >>> keys = np.array([[5, 7], [5, 0], [9, 0]])
     >>> population_majority(keys, [[0], [1]]).tolist()
     [5, 7]
-    >>> population_majority(np.array([[3], [4]]), [[0]]).tolist()  # a tie: first seen wins
+    >>> population_majority(np.array([[4], [3]]), [[0]]).tolist()  # a tie: the smaller key
     [3]
     """
     out = np.full(len(groups), NO_ANSWER, dtype=np.int64)
@@ -97,9 +98,8 @@ def population_majority(keys: np.ndarray, groups: Sequence[Sequence[int]]) -> np
         votes = votes[votes != NO_ANSWER]
         if votes.size == 0:
             continue
-        values, first, counts = np.unique(votes, return_index=True, return_counts=True)
-        top = counts == counts.max()
-        out[g] = values[top][np.argmin(first[top])]
+        values, counts = np.unique(votes, return_counts=True)  # values sorted ascending
+        out[g] = values[np.argmax(counts)]  # argmax takes the first, i.e. smallest, of a tie
     return out
 
 
