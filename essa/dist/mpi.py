@@ -97,6 +97,12 @@ class MPIComm:
             data[end - size : end].tobytes().decode() for size, end in zip(sizes, ends, strict=True)
         ]
 
+    def allgather_keys(self, local: np.ndarray) -> np.ndarray:
+        local = np.ascontiguousarray(local, dtype=np.int64)  # (p, M)
+        width = local.shape[1]
+        keys, _ = self._allgatherv(local.ravel())
+        return keys.reshape(-1, width)  # (P, M): 8 bytes per answer, never text
+
     def barrier(self) -> None:
         self._wait(self._world.Ibarrier())
 

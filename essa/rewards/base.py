@@ -121,6 +121,7 @@ class Reward:
     """
 
     needs: frozenset[str] = frozenset()
+    pool: str = "group"  # "population": ESSA votes over all candidates (essa.rewards.pool)
 
     def __init__(
         self, name: str, fn: ScoreFn, stats: RewardStats | None = None, *, is_group: bool = False

@@ -24,6 +24,8 @@ from essa.rewards.accuracy import MathVerifier, count_grades
 from essa.rewards.base import RewardStats, ScoreFn, group_indices
 from essa.rewards.extract import extract_answer
 
+POOLS = ("group", "population")  # whose completions vote (majority_vote's ``pool``)
+
 
 def cluster_answers(
     answers: Sequence[str | None], verifier: MathVerifier, stats: RewardStats | None = None
@@ -99,6 +101,7 @@ def majority_vote(
     use_last_number: bool = True,
     timeout_seconds: int = 5,
     use_process_pool: bool = False,
+    pool: str = "group",
 ) -> ScoreFn:
     """TTRL majority-vote reward (spec §7.1, arXiv 2504.16084): group reward, no labels.
 
@@ -110,6 +113,10 @@ def majority_vote(
     (``use_last_number``); ``timeout_seconds``/``use_process_pool`` as in
     :class:`~essa.rewards.accuracy.MathVerifier`.
 
+    ``pool`` says whose completions vote: ``group`` (TTRL: the completions of one prompt in
+    the call) or ``population`` (ESSA only: every candidate's completions of the prompt, see
+    :mod:`essa.rewards.pool`; the recipe then scores agreement itself, from answer keys).
+
     Deviation: TTRL verifies each answer against the voted label string; here membership of
     the label's cluster decides, so a completion's reward never depends on verify's asymmetry.
 
@@ -119,6 +126,8 @@ def majority_vote(
     [1.0, 0.0, 1.0, 0.0]
     """
     _check_group_size(min_group_size)
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
     verifier = MathVerifier(timeout_seconds=timeout_seconds, use_process_pool=use_process_pool)
 
     def score(

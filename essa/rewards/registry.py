@@ -186,4 +186,6 @@ def get_reward(name: str, **params: object) -> Reward:
         scorer = params.pop("scorer", None)
         fn = spec.factory(stats, **params)
         return LogprobReward(name, fn, stats, target=spec.needs, scorer=scorer)  # type: ignore[arg-type]
-    return Reward(name, spec.factory(stats, **params), stats, is_group=spec.is_group)
+    reward = Reward(name, spec.factory(stats, **params), stats, is_group=spec.is_group)
+    reward.pool = str(params.get("pool", "group"))
+    return reward

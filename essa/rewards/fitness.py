@@ -1,0 +1,95 @@
+"""ES fitness from rewards: one number per candidate over its k samples of N shared prompts.
+
+Layout (the evaluator's, candidate-major): ``texts[c]`` holds candidate c's N * k completions
+prompt-major, item ``i * k + j`` being sample j of prompt i. Every candidate answers the same
+(prompt, sample) pairs under common random numbers, so fitness differences come from the
+parameters, not the sampling noise.
+
+* A plain reward scores each completion; a group reward (``majority_vote``,
+  ``answer_frequency``, ``noisy``; ``pool: group``) scores each candidate's k samples of a
+  prompt as one group (TTRL's vote within one policy's samples).
+* ``pool: population`` (majority_vote only) votes over every candidate's completions of the
+  prompt, on all ranks (:mod:`essa.rewards.pool`): only 8-byte answer keys are gathered.
+* Log-prob rewards take ``logprobs[c][item]`` from the backend (generated tokens' log-probs
+  for ``completion_logprobs``, the teacher-forced reference for ``reference_logprobs``).
+
+The fitness of a candidate is the mean over prompts and samples of its gradable rewards (NaN
+when none is gradable: a failed evaluation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from essa.rewards.base import Reward, fitness_from_rewards
+from essa.rewards.pool import agreement_rewards, answer_keys, majority_share, population_majority
+
+
+class KeyGather(Protocol):
+    """The one collective the population pool needs (essa.dist's communicators have it)."""
+
+    def allgather_keys(self, local: np.ndarray) -> np.ndarray: ...
+
+
+def expand(items: Sequence[object], k: int) -> list[object]:
+    """Each item k times in a row: the prompt-major layout of k samples per prompt."""
+    return [item for item in items for _ in range(k)]
+
+
+def sample_groups(num_prompts: int, k: int) -> list[list[int]]:
+    """Columns of each prompt in the prompt-major layout: ``[[0..k-1], [k..2k-1], ...]``."""
+    return [list(range(i * k, (i + 1) * k)) for i in range(num_prompts)]
+
+
+def candidate_scores(
+    reward: Reward,
+    texts: Sequence[Sequence[str]],
+    answers: Sequence[str | None],
+    prompts: Sequence[str],
+    *,
+    samples_per_prompt: int = 1,
+    logprobs: Sequence[Sequence[Sequence[float] | None]] | None = None,
+    comm: KeyGather | None = None,
+) -> tuple[list[list[float | None]], dict[str, float]]:
+    """Per candidate of this rank, the reward of each of its N * k items; plus pool metrics.
+
+    ``comm`` is required for ``reward.pool == "population"`` (the vote spans all ranks).
+    """
+    k = samples_per_prompt
+    answers_k, prompts_k = expand(answers, k), expand(prompts, k)
+    if reward.pool == "population":
+        if comm is None:
+            raise ValueError("pool: population needs the communicator (the vote spans ranks)")
+        return _population_pool(texts, len(prompts), k, comm)
+    if reward.needs:
+        if logprobs is None:
+            raise ValueError(f"reward {reward.name!r} needs log-probs from the backend")
+        scored = [
+            reward.score_with_logprobs(list(t), answers_k, prompts_k, list(lp))  # type: ignore[attr-defined]
+            for t, lp in zip(texts, logprobs, strict=True)
+        ]
+        return scored, {}
+    return [reward(list(t), answers_k, prompts_k) for t in texts], {}  # type: ignore[arg-type]
+
+
+def _population_pool(
+    texts: Sequence[Sequence[str]], num_prompts: int, k: int, comm: KeyGather
+) -> tuple[list[list[float | None]], dict[str, float]]:
+    groups = sample_groups(num_prompts, k)
+    local = answer_keys(texts).reshape(len(texts), num_prompts * k)  # (p, N * k)
+    keys = comm.allgather_keys(local)  # (P, N * k): 8 bytes per answer cross ranks
+    majority = population_majority(keys, groups)
+    rewards = agreement_rewards(local, majority, groups)  # (p, N * k)
+    metrics = {
+        "majority_share": majority_share(keys, majority, groups),
+        "answered_share": float((keys != 0).mean()) if keys.size else float("nan"),
+    }
+    return [list(map(float, row)) for row in rewards], metrics
+
+
+def fitness(scores: Sequence[Sequence[float | None]]) -> np.ndarray:
+    """(p,) float64: each candidate's mean gradable reward, NaN when none is gradable."""
+    return np.array([fitness_from_rewards(s) for s in scores], dtype=np.float64)
