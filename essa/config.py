@@ -128,6 +128,9 @@ class GenerationConfig:
     max_new_tokens: int = 256  # room for a short chain of thought (demo: 8, "a+b=" answers)
     temperature: float = 0.0  # 0 = greedy (the project default: all variation from parameters)
     top_p: float = 1.0
+    # ESSA: completions per (candidate, prompt), sampled under common random numbers; group
+    # rewards (TTRL majority vote, EMPO) vote among a candidate's k samples of a prompt.
+    samples_per_prompt: int = 1
 
 
 # Rewards that compare a completion with the reference: the only held-out metrics (registered
@@ -500,6 +503,13 @@ def check_values(cfg: Config) -> None:
         )
     if cfg.generation.temperature < 0:
         raise ConfigError("generation.temperature: must be >= 0")
+    if cfg.generation.samples_per_prompt < 1:
+        raise ConfigError("generation.samples_per_prompt: must be >= 1")
+    if cfg.generation.samples_per_prompt > 1 and cfg.generation.temperature == 0:
+        raise ConfigError(
+            "generation.samples_per_prompt: greedy decoding (temperature 0) gives k identical "
+            "samples; set generation.temperature > 0 (e.g. 0.7) or samples_per_prompt: 1"
+        )
     if cfg.model.quantization != "none" and cfg.model.gguf_file:
         raise ConfigError(
             f"model.quantization: {cfg.model.quantization} cannot be combined with "

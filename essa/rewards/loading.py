@@ -19,6 +19,7 @@ def load_reward(
     groups: bool = False,
     provides: frozenset[str] = frozenset(),
     deadline: bool = True,
+    group_hint: str = " yet",
 ) -> Reward:
     """``cfg``'s reward; UserError when unknown or when ``recipe`` cannot feed it."""
     from essa.rewards import get_reward
@@ -34,6 +35,7 @@ def load_reward(
     if missing_group or not reward.needs <= provides:
         needs = "a group of completions per prompt" if missing_group else sorted(reward.needs)
         raise UserError(
-            f"reward.name: {cfg.name} needs {needs}, which the {recipe} recipe does not provide yet"
+            f"reward.name: {cfg.name} needs {needs}, which the {recipe} recipe does not provide"
+            f"{group_hint if missing_group else ' on this backend'}"
         )
     return reward
