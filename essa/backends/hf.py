@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from essa.backends.stops import stop_token_ids
 from essa.config import GenerationConfig, ModelConfig
 from essa.errors import UserError
 
@@ -283,6 +284,7 @@ def generate_texts(
     if seed is not None and gen.temperature > 0:
         torch.manual_seed(seed)  # HF sampling draws from the global torch RNG
     encoded = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     prefix_len = shared_prefix_length(encoded) if use_prefix_cache else 0
     prefix: PrefixStates | None = None
     if prefix_len >= MIN_PREFIX_TOKENS and has_plain_dynamic_cache(model):
@@ -308,7 +310,7 @@ def generate_texts(
             attention_mask=attention_mask,
             **cache,
             **extra,
-            **_generate_kwargs(gen, tokenizer),
+            **_generate_kwargs(gen, tokenizer, stops),
         )
         new = out[:, input_ids.shape[1] :]  # (B, T_new)
         new_tokens += int((new != tokenizer.pad_token_id).sum())
@@ -466,11 +468,12 @@ def prefix_states(
     return PrefixStates(candidates, layers)
 
 
-def _generate_kwargs(gen: GenerationConfig, tokenizer: Any) -> dict[str, Any]:
+def _generate_kwargs(gen: GenerationConfig, tokenizer: Any, stops: list[int]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "max_new_tokens": gen.max_new_tokens,
         "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
+        # The union, not the tokenizer's EOS alone: that would replace the model's stop list.
+        "eos_token_id": stops or None,
     }
     if gen.temperature > 0:
         kwargs.update(do_sample=True, temperature=gen.temperature, top_p=gen.top_p)
