@@ -10,8 +10,9 @@ Two strategies produce the same completions (tested to 1e-5 in logits, identical
 evaluated twice) and keeps the faster per-candidate cost; it is re-measured when the number of
 prompts changes. Near the crossover one probe is noise (the two within a few percent), so while
 the summed costs differ by less than ``PROBE_MARGIN`` it probes again on the next populations,
-swapping which half gets which strategy, for at most ``MAX_PROBES`` populations. On quantised (bitsandbytes) weights ``auto`` is ``batched`` and ``merged`` is
-refused: W0 is called as is, never modified. Rows are candidate-major: row ``i`` of a P x N evaluation is candidate ``i // N``.
+swapping which half gets which strategy, for at most ``MAX_PROBES`` populations. On quantised
+(bitsandbytes) and on bfloat16/float16 weights ``auto`` is ``batched`` and ``merged`` is refused:
+W0 is called as is, never modified, and the candidate path runs in float32. Rows are candidate-major: row ``i`` of a P x N evaluation is candidate ``i // N``.
 
 In both strategies, when the prompts share a token prefix (a system prompt, a chat header), that
 prefix is run once per candidate and its KV cache reused by the candidate's rows
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from essa.adapters import PopulationLoRA, SVDAdapter, candidate_rows, merged_candidate
+from essa.adapters.population import HALF_DTYPES
 from essa.backends.hf import NonFiniteGuard, generate_texts
 from essa.config import EvaluationConfig, GenerationConfig
 from essa.errors import UserError
@@ -83,15 +85,21 @@ class PopulationEvaluator:
         self.micro_batch_size = cfg.micro_batch_size  # halved on out-of-memory, never raised
         self.nonfinite = np.zeros(0, dtype=bool)  # (P,) of the last call: non-finite logits
         self._flags: list[bool] = []  # per candidate of the current call, in order
-        # bitsandbytes int8/int4 weights cannot take a merged delta: only `batched` applies.
-        self.quantized = any(
-            not model.get_submodule(name).weight.is_floating_point()
-            for name in adapter.module_names
-        )
+        dtypes = {model.get_submodule(name).weight.dtype for name in adapter.module_names}
+        # bitsandbytes int8/int4 weights cannot take a merged delta, and bf16/fp16 ones would
+        # round the candidates together (essa.adapters.merged): only `batched` applies.
+        self.quantized = any(not dtype.is_floating_point for dtype in dtypes)
+        self.half = bool(dtypes & set(HALF_DTYPES))
         if self.quantized and cfg.strategy == "merged":
             raise UserError(
                 "evaluation.strategy: merged cannot fold candidates into quantised (int8/int4) "
                 "weights; use batched or auto"
+            )
+        if self.half and cfg.strategy == "merged":
+            raise UserError(
+                "evaluation.strategy: merged would round W0 + dW to half precision and lose "
+                "the difference between candidates; use batched or auto (or model.dtype: "
+                "float32)"
             )
 
     def completions(
@@ -104,7 +112,7 @@ class PopulationEvaluator:
         population = np.atleast_2d(population)
         self._flags = []
         strategy = self.cfg.strategy
-        if strategy == "auto" and self.quantized:
+        if strategy == "auto" and (self.quantized or self.half):
             strategy = self.chosen[len(prompts)] = "batched"
         if strategy == "auto":
             strategy = self.chosen.get(len(prompts), "")
