@@ -118,8 +118,9 @@ def test_fp32_path_unchanged_for_fp32_models(models) -> None:  # type: ignore[no
 def test_merged_candidate_refuses_bf16(models) -> None:  # type: ignore[no-untyped-def]
     _, bf16, adapter = models
     before = {k: v.clone() for k, v in bf16.state_dict().items()}
-    with pytest.raises(TypeError, match="half"), merged_candidate(
-        bf16, adapter, np.zeros(adapter.dim)
+    with (
+        pytest.raises(TypeError, match="half"),
+        merged_candidate(bf16, adapter, np.zeros(adapter.dim)),
     ):
         pass
     assert all(torch.equal(bf16.state_dict()[k], v) for k, v in before.items())
