@@ -85,6 +85,8 @@ class PopulationEvaluator:
         self.micro_batch_size = cfg.micro_batch_size  # halved on out-of-memory, never raised
         self.nonfinite = np.zeros(0, dtype=bool)  # (P,) of the last call: non-finite logits
         self._flags: list[bool] = []  # per candidate of the current call, in order
+        # Prompt -> token ids: every prompt is tokenised once per run, not every generation.
+        self._token_ids: dict[str, list[int]] = {}
         dtypes = {model.get_submodule(name).weight.dtype for name in adapter.module_names}
         # bitsandbytes int8/int4 weights cannot take a merged delta, and bf16/fp16 ones would
         # round the candidates together (essa.adapters.merged): only `batched` applies.
@@ -198,6 +200,14 @@ class PopulationEvaluator:
             self.chosen[n] = "batched" if batched <= merged else "merged"
         return parts[0] + parts[1]
 
+    def token_ids(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Token ids of ``prompts`` (no special tokens), tokenising only unseen ones."""
+        unseen = [p for p in dict.fromkeys(prompts) if p not in self._token_ids]
+        if unseen:
+            encoded = self.tokenizer(unseen, add_special_tokens=False)["input_ids"]
+            self._token_ids.update(zip(unseen, encoded, strict=True))
+        return [self._token_ids[p] for p in prompts]
+
     def _guard(self, n_rows: int) -> NonFiniteGuard:
         return NonFiniteGuard(n_rows, self.tokenizer.eos_token_id)
 
@@ -206,6 +216,7 @@ class PopulationEvaluator:
     ) -> tuple[list[list[str]], int, list[bool]]:
         n = len(prompts)
         rows = [p for _ in range(len(population)) for p in prompts]  # candidate-major
+        token_ids = self.token_ids(prompts) * len(population)  # (P * n) lists, shared
         guard = self._guard(len(rows))
         with PopulationLoRA(self.model, self.adapter) as pop:
             pop.set_population(population)
@@ -220,6 +231,7 @@ class PopulationEvaluator:
                 seed=seed,
                 use_prefix_cache=self.cfg.use_prefix_cache,
                 guard=guard,
+                token_ids=token_ids,
             )
         flags = guard.rows.view(len(population), n).any(dim=1).tolist()  # (P,)
         return [texts[c * n : (c + 1) * n] for c in range(len(population))], tokens, flags
@@ -230,6 +242,7 @@ class PopulationEvaluator:
         out: list[list[str]] = []
         tokens = 0
         flags: list[bool] = []
+        token_ids = self.token_ids(prompts)
         for vector in population:
             guard = self._guard(len(prompts))
             with merged_candidate(self.model, self.adapter, vector):
@@ -242,6 +255,7 @@ class PopulationEvaluator:
                     seed=seed,
                     use_prefix_cache=self.cfg.use_prefix_cache,
                     guard=guard,
+                    token_ids=token_ids,
                 )
             out.append(texts)
             flags.append(bool(guard.rows.any()))
