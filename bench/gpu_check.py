@@ -38,6 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.common import Row, machine, row, versions
+
 # Published Qwen2.5 shapes: hidden, intermediate, layers, heads, KV heads, vocab, tied.
 SHAPES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151936, True),
@@ -247,11 +249,50 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the next cell builds a different model
     result["seconds"] = time.perf_counter() - start
-    result["versions"] = {"torch": torch.__version__}
+    command = "python -m bench.gpu_check" + (f" --device {args.device} --tiny" if args.tiny else "")
+    full = {"command": command, "machine": machine(), "versions": versions(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **result}  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(json.dumps(full, indent=2) + "\n")
     print(f"wrote {out} ({result['seconds']:.0f} s)")
+
+
+def report_rows(result: dict[str, Any]) -> list[Row]:
+    """ESSA batched / plain tokens/s per cell, and the bf16 candidate separation."""
+    rows = []
+    for cell in result["cells"]:
+        runs = cell["runs"]
+        note = ", ".join(
+            f"{k} {r['tokens_per_second']:.0f} tok/s"
+            + (f" (peak {r['peak_gpu_gib']:.1f} GiB)" if r.get("peak_gpu_gib") else "")
+            for k, r in runs.items()
+        )
+        if cell.get("merged"):
+            note += f"; merged {cell['merged']}"
+        shape = f"{cell['population']} x {cell['prompts']} prompts, {cell['max_new_tokens']} tok"
+        rows.append(
+            row(
+                f"{result['device']}: ESSA batched vs plain generate, tokens/s "
+                f"({cell['model']} shape, {cell['dtype']}, {shape})",
+                f"x{cell['essa_vs_plain_tokens_per_second']['batched']:.2f}",
+                None,
+                None,
+                note,
+            )
+        )
+    sep = result["separation"]
+    rows.append(
+        row(
+            f"{result['device']}: candidates 1e-3 x stds apart, bf16 ({sep['model']} shape)",
+            f"max |dlogit| {sep['max_abs_difference_bf16']:.3g} (fp32 "
+            f"{sep['max_abs_difference_fp32']:.3g}), cosine {sep['cosine_bf16_vs_fp32']:.2f}",
+            "> 0 (apart)",
+            sep["max_abs_difference_bf16"] > 0,
+            "skipped cells: " + (", ".join(map(str, result["skipped"])) or "none"),
+        )
+    )
+    return rows
 
 
 if __name__ == "__main__":

@@ -185,6 +185,32 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+TARGET = 1.5
+
+
+def report_rows(result: dict[str, Any]) -> list[Any]:
+    """This tree vs the baseline commit on one ESSA generation."""
+    from bench.common import fmt_spread, median_spread, row
+
+    seconds = {k: fmt_spread(median_spread(v), 1) for k, v in result["seconds"].items()}
+    shape = (
+        f"{result['candidates']} x {result['prompts']} chat prompts, "
+        f"{result['max_new_tokens']} tok, {result['strategy']}"
+    )
+    return [
+        row(
+            f"one ESSA generation, SmolLM2-135M-Instruct ({shape}): this tree vs "
+            f"{result['baseline_commit'][:7]}",
+            f"x{result['speedup']:.2f}",
+            f">= {TARGET}x",
+            result["speedup"] >= TARGET,
+            f"baseline {seconds['baseline']} s vs {seconds['current']} s; CPU time "
+            f"x{result['cpu_speedup']:.2f}; identical completions: "
+            f"{result['identical_completions']}",
+        )
+    ]
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default=BASELINE, help="git ref to compare against")
