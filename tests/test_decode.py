@@ -125,3 +125,16 @@ def test_decode_rows_pads_like_generate(demo, check_every) -> None:  # type: ign
     with torch.no_grad():
         expected = model.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, ids.shape[1] :]
     assert torch.equal(decode_rows(model, ids, mask, kwargs, check_every=check_every), expected)
+
+
+def test_peft_wrapped_models_keep_generate(demo) -> None:  # type: ignore[no-untyped-def]
+    """A PeftModel's forward takes **kwargs: the loop could not know its arguments arrive."""
+    import copy
+
+    from essa.backends.decode import supports_row_dropping
+    from essa.config import AdapterConfig
+    from essa.recipes.sft import make_lora_model
+
+    model = demo[0]
+    assert supports_row_dropping(model)
+    assert not supports_row_dropping(make_lora_model(copy.deepcopy(model), AdapterConfig(rank=2)))

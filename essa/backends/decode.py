@@ -85,7 +85,14 @@ def supports_row_dropping(model: Any) -> bool:
     from essa.backends.hf import has_plain_dynamic_cache
 
     helpers = ("_prepare_generation_config", "_prepare_special_tokens", "_get_logits_processor")
-    return all(hasattr(model, name) for name in helpers) and has_plain_dynamic_cache(model)
+    if not all(hasattr(model, name) for name in helpers) or not has_plain_dynamic_cache(model):
+        return False
+    # The loop passes these by name; a wrapper whose forward takes **kwargs only (a PeftModel)
+    # might drop one silently, so such models keep generate (which unwraps them itself).
+    named = set(inspect.signature(model.forward).parameters)
+    return {"input_ids", "attention_mask", "position_ids", "use_cache"} <= named and bool(
+        named & {"cache", "past_key_values"}
+    )
 
 
 def decode_processors(
