@@ -44,14 +44,29 @@ ON_DEMAND: list[tuple[str, list[str]]] = [
     ("demo", ["--seeds", "0", "1", "2"]),  # the README's accuracy table and plot (~5 min)
     ("prefix_cache", []),
     ("quant", ["--seeds", "0", "1", "2"]),
-    ("peers", ["--threads", "1", "--seeds", "0", "1", "2", "--set", "run.generations=30",
-               "--set", "data.test_size=200"]),
+    (
+        "peers",
+        [
+            "--threads",
+            "1",
+            "--seeds",
+            "0",
+            "1",
+            "2",
+            "--set",
+            "run.generations=30",
+            "--set",
+            "data.test_size=200",
+        ],
+    ),
     ("compare", []),
     ("trl_grpo", ["--threads", "1"]),
     ("peers_memory", ["--threads", "1", "--repeats", "2"]),
     ("smollm2_gym", ["--threads", "1"]),
     ("lisa", ["--seeds", "0", "1", "2", "--steps", "12"]),
     ("vllm_throughput", ["--repeats", "3"]),
+    ("long_completions", ["--repeats", "3"]),  # this tree vs a baseline commit (~15 min)
+    ("gpu_check", []),  # needs a GPU (< 8 min); on CPU: --device cpu --tiny
 ]
 
 
@@ -163,8 +178,11 @@ def render(ran_now: set[str]) -> str:
         "python -m bench --report-only  # re-render this page from bench/results/*.json",
         "```",
         "",
-        "Suite: " + ", ".join(f"`{n}`" for n, _, s in known() if s) + ". On demand: "
-        + ", ".join(f"`{n}`" for n, _, s in known() if not s) + ".",
+        "Suite: "
+        + ", ".join(f"`{n}`" for n, _, s in known() if s)
+        + ". On demand: "
+        + ", ".join(f"`{n}`" for n, _, s in known() if not s)
+        + ".",
         "",
     ]
     if suite is not None:
@@ -212,9 +230,7 @@ def plot_throughput(path: Path) -> bool:
     overhead, strategies = read_result("generation_overhead"), read_result("strategies")
     panels = []
     for cell in (overhead or {}).get("cells", []):
-        bars = {
-            k: cell["new_tokens"][k] / cell["seconds"][k]["median"] for k in cell["seconds"]
-        }
+        bars = {k: cell["new_tokens"][k] / cell["seconds"][k]["median"] for k in cell["seconds"]}
         panels.append((f"{cell['model'].split(' ')[0]}: new tokens/s", bars))
     if strategies and strategies.get("cells"):
         bars = {}

@@ -111,3 +111,32 @@ def test_auto_decides_at_once_when_one_strategy_is_clearly_faster(setup, monkeyp
     evaluator.completions(population(adapter), PROMPTS)
     assert evaluator.chosen[len(PROMPTS)] == "batched"
     assert slow["merged"] == 2  # the one-row warm-up and one probe: no second population
+
+
+def test_prompts_are_tokenised_once_per_run(setup) -> None:  # type: ignore[no-untyped-def]
+    """Each prompt string goes through the tokenizer once, whatever the population or strategy."""
+    from essa.backends.evaluator import PopulationEvaluator
+
+    model, tokenizer, adapter = setup
+    seen: list[str] = []
+
+    class Counting:
+        def __call__(self, texts, **kwargs):  # type: ignore[no-untyped-def]
+            seen.extend(texts)
+            return tokenizer(texts, **kwargs)
+
+        def __getattr__(self, name):  # type: ignore[no-untyped-def]
+            return getattr(tokenizer, name)
+
+    gen = GenerationConfig(max_new_tokens=3)
+    reference = {}
+    for strategy in ("batched", "merged"):
+        cfg = EvaluationConfig(strategy=strategy)
+        reference[strategy] = PopulationEvaluator(
+            model, tokenizer, adapter, gen, cfg
+        ).completions(population(adapter), PROMPTS)
+        seen.clear()
+        evaluator = PopulationEvaluator(model, Counting(), adapter, gen, cfg)
+        assert evaluator.completions(population(adapter), PROMPTS) == reference[strategy]
+        evaluator.completions(population(adapter), PROMPTS[::-1] + ["5+5="])
+        assert sorted(seen) == sorted(PROMPTS + ["5+5="])

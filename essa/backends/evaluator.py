@@ -10,8 +10,9 @@ Two strategies produce the same completions (tested to 1e-5 in logits, identical
 evaluated twice) and keeps the faster per-candidate cost; it is re-measured when the number of
 prompts changes. Near the crossover one probe is noise (the two within a few percent), so while
 the summed costs differ by less than ``PROBE_MARGIN`` it probes again on the next populations,
-swapping which half gets which strategy, for at most ``MAX_PROBES`` populations. On quantised (bitsandbytes) weights ``auto`` is ``batched`` and ``merged`` is
-refused: W0 is called as is, never modified. Rows are candidate-major: row ``i`` of a P x N evaluation is candidate ``i // N``.
+swapping which half gets which strategy, for at most ``MAX_PROBES`` populations. On quantised
+(bitsandbytes) and on bfloat16/float16 weights ``auto`` is ``batched`` and ``merged`` is refused:
+W0 is called as is, never modified, and the candidate path runs in float32. Rows are candidate-major: row ``i`` of a P x N evaluation is candidate ``i // N``.
 
 In both strategies, when the prompts share a token prefix (a system prompt, a chat header), that
 prefix is run once per candidate and its KV cache reused by the candidate's rows
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from essa.adapters import PopulationLoRA, SVDAdapter, candidate_rows, merged_candidate
+from essa.adapters.population import HALF_DTYPES
 from essa.backends.hf import NonFiniteGuard, generate_texts
 from essa.config import EvaluationConfig, GenerationConfig
 from essa.errors import UserError
@@ -85,15 +87,23 @@ class PopulationEvaluator:
         self.nonfinite = np.zeros(0, dtype=bool)  # (P,) of the last call: non-finite logits
         self._flags: list[bool] = []  # per candidate of the current call, in order
         self._progress: RowProgress | None = None  # of the current call: rows done
-        # bitsandbytes int8/int4 weights cannot take a merged delta: only `batched` applies.
-        self.quantized = any(
-            not model.get_submodule(name).weight.is_floating_point()
-            for name in adapter.module_names
-        )
+        # Prompt -> token ids: every prompt is tokenised once per run, not every generation.
+        self._token_ids: dict[str, list[int]] = {}
+        dtypes = {model.get_submodule(name).weight.dtype for name in adapter.module_names}
+        # bitsandbytes int8/int4 weights cannot take a merged delta, and bf16/fp16 ones would
+        # round the candidates together (essa.adapters.merged): only `batched` applies.
+        self.quantized = any(not dtype.is_floating_point for dtype in dtypes)
+        self.half = bool(dtypes & set(HALF_DTYPES))
         if self.quantized and cfg.strategy == "merged":
             raise UserError(
                 "evaluation.strategy: merged cannot fold candidates into quantised (int8/int4) "
                 "weights; use batched or auto"
+            )
+        if self.half and cfg.strategy == "merged":
+            raise UserError(
+                "evaluation.strategy: merged would round W0 + dW to half precision and lose "
+                "the difference between candidates; use batched or auto (or model.dtype: "
+                "float32)"
             )
 
     def completions(
@@ -119,7 +129,7 @@ class PopulationEvaluator:
     ) -> list[list[str]]:
         self._flags = []
         strategy: str = self.cfg.strategy
-        if strategy == "auto" and self.quantized:
+        if strategy == "auto" and (self.quantized or self.half):
             strategy = self.chosen[len(prompts)] = "batched"
         if strategy == "auto":
             strategy = self.chosen.get(len(prompts), "")
@@ -207,6 +217,14 @@ class PopulationEvaluator:
             self.chosen[n] = "batched" if batched <= merged else "merged"
         return parts[0] + parts[1]
 
+    def token_ids(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Token ids of ``prompts`` (no special tokens), tokenising only unseen ones."""
+        unseen = [p for p in dict.fromkeys(prompts) if p not in self._token_ids]
+        if unseen:
+            encoded = self.tokenizer(unseen, add_special_tokens=False)["input_ids"]
+            self._token_ids.update(zip(unseen, encoded, strict=True))
+        return [self._token_ids[p] for p in prompts]
+
     def _guard(self, n_rows: int) -> NonFiniteGuard:
         return NonFiniteGuard(n_rows, self.tokenizer.eos_token_id)
 
@@ -215,6 +233,7 @@ class PopulationEvaluator:
     ) -> tuple[list[list[str]], int, list[bool]]:
         n = len(prompts)
         rows = [p for _ in range(len(population)) for p in prompts]  # candidate-major
+        token_ids = self.token_ids(prompts) * len(population)  # (P * n) lists, shared
         guard = self._guard(len(rows))
         with PopulationLoRA(self.model, self.adapter) as pop:
             pop.set_population(population)
@@ -230,6 +249,7 @@ class PopulationEvaluator:
                 use_prefix_cache=self.cfg.use_prefix_cache,
                 guard=guard,
                 progress=self._progress,
+                token_ids=token_ids,
             )
         flags = guard.rows.view(len(population), n).any(dim=1).tolist()  # (P,)
         return [texts[c * n : (c + 1) * n] for c in range(len(population))], tokens, flags
@@ -240,6 +260,7 @@ class PopulationEvaluator:
         out: list[list[str]] = []
         tokens = 0
         flags: list[bool] = []
+        token_ids = self.token_ids(prompts)
         for vector in population:
             guard = self._guard(len(prompts))
             with merged_candidate(self.model, self.adapter, vector):
@@ -253,6 +274,7 @@ class PopulationEvaluator:
                     use_prefix_cache=self.cfg.use_prefix_cache,
                     guard=guard,
                     progress=self._progress,
+                    token_ids=token_ids,
                 )
             out.append(texts)
             flags.append(bool(guard.rows.any()))

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from essa.backends.decode import NonFiniteGuard, decode_rows, supports_row_dropping
+from essa.backends.stops import stop_token_ids
 from essa.config import GenerationConfig, ModelConfig
 from essa.errors import UserError
 
@@ -278,13 +280,19 @@ def generate_texts(
     use_prefix_cache: bool = False,
     guard: NonFiniteGuard | None = None,
     progress: Callable[[int], None] | None = None,
+    token_ids: Sequence[Sequence[int]] | None = None,
 ) -> tuple[list[str], int]:
     """Generate one completion per prompt, in micro-batches of rows.
 
     ``row_candidates`` (N,) names the candidate each prompt row is generated under (default: all
     rows one candidate, the model as is); ``set_rows(candidates)`` runs before every forward batch
     with the candidate of each of its rows, so a population wrapper can route them.
+    ``token_ids`` are the prompts already tokenised (no special tokens added), so that a caller
+    generating on the same prompts again does not tokenise them again.
 
+    Decoding stops on the tokenizer's EOS and the model's own stop ids
+    (``essa.backends.stops``) and, where the model allows it, drops rows from the batch as they
+    end (``essa.backends.decode``); the completions are those of ``generate``.
     With ``use_prefix_cache``, the longest token prefix shared by all prompts (a system prompt, a
     chat header) is run once per candidate and its KV cache copied to that candidate's rows
     instead of being recomputed for every row; the completions are the same. It applies when the
@@ -300,8 +308,14 @@ def generate_texts(
         row_candidates = torch.zeros(len(prompts), dtype=torch.long)
     row_candidates = torch.as_tensor(row_candidates, dtype=torch.long).cpu()  # (N,)
     if seed is not None and gen.temperature > 0:
-        torch.manual_seed(seed)  # HF sampling draws from the global torch RNG
-    encoded = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        torch.manual_seed(seed)  # sampling draws from the global torch RNG, as in HF generate
+    encoded = (
+        list(token_ids)
+        if token_ids is not None
+        else tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    )
+    stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    kwargs = _generate_kwargs(gen, tokenizer, stops)
     prefix_len = shared_prefix_length(encoded) if use_prefix_cache else 0
     prefix: PrefixStates | None = None
     if prefix_len >= MIN_PREFIX_TOKENS and has_plain_dynamic_cache(model):
@@ -310,6 +324,7 @@ def generate_texts(
         )
     else:
         prefix_len = 0
+    drop_rows = supports_row_dropping(model)
     completions: list[str] = []
     new_tokens = 0
     for start in range(0, len(prompts), micro_batch_size):
@@ -320,16 +335,14 @@ def generate_texts(
         input_ids, attention_mask = pad_rows(
             encoded[start:stop], prefix_len, tokenizer.pad_token_id, device
         )  # (B, T) each
-        cache = {} if prefix is None else {_cache_argument(model): prefix.expand(model, rows)}
-        extra = {} if guard is None else {"logits_processor": guard.processors(start, stop)}
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            **cache,
-            **extra,
-            **_generate_kwargs(gen, tokenizer),
-        )
-        new = out[:, input_ids.shape[1] :]  # (B, T_new)
+        cache = None if prefix is None else prefix.expand(model, rows)
+        if drop_rows:
+            new = decode_rows(
+                model, input_ids, attention_mask, kwargs, cache=cache, rows=rows,
+                set_rows=set_rows, guard=guard, guard_offset=start,
+            )  # fmt: skip
+        else:
+            new = _generate(model, input_ids, attention_mask, kwargs, cache, guard, start, stop)
         new_tokens += int((new != tokenizer.pad_token_id).sum())
         completions.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
         if progress is not None:
@@ -337,36 +350,24 @@ def generate_texts(
     return completions, new_tokens
 
 
-class NonFiniteGuard:
-    """Flags generated rows whose next-token logits were ever NaN or infinite, and ends them.
-
-    A candidate whose scaled adapter overflows produces non-finite logits: greedy argmax then
-    picks an arbitrary token and sampling raises. A flagged row gets EOS as its only choice, so
-    it ends at once; the caller marks its candidate failed (NaN fitness) instead of grading
-    garbage. ``rows`` (N,) covers all rows of one :func:`generate_texts` call.
-    """
-
-    def __init__(self, n_rows: int, eos_token_id: int) -> None:
-        self.rows = torch.zeros(n_rows, dtype=torch.bool)  # (N,)
-        self.eos_token_id = eos_token_id
-
-    def processors(self, start: int, stop: int) -> Any:
-        from transformers import LogitsProcessor, LogitsProcessorList
-
-        guard = self
-
-        class _Check(LogitsProcessor):
-            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-                bad = ~torch.isfinite(scores).all(dim=-1)  # (B,)
-                if not bool(bad.any()):
-                    return scores
-                guard.rows[start:stop] |= bad.cpu()
-                scores = scores.clone()
-                scores[bad] = float("-inf")
-                scores[bad, guard.eos_token_id] = 0.0
-                return scores
-
-        return LogitsProcessorList([_Check()])
+def _generate(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    kwargs: dict[str, Any],
+    cache: Any,
+    guard: NonFiniteGuard | None,
+    start: int,
+    stop: int,
+) -> torch.Tensor:
+    """HF ``generate`` for models the row-dropping loop does not cover; new tokens (B, T_new)."""
+    extra = {} if guard is None else {"logits_processor": guard.processors(start, stop)}
+    if cache is not None:
+        extra[_cache_argument(model)] = cache
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **extra, **kwargs)
+    if guard is not None:
+        guard.flush()
+    return out[:, input_ids.shape[1] :].cpu()
 
 
 def shared_prefix_length(sequences: Sequence[Sequence[int]]) -> int:
@@ -487,11 +488,12 @@ def prefix_states(
     return PrefixStates(candidates, layers)
 
 
-def _generate_kwargs(gen: GenerationConfig, tokenizer: Any) -> dict[str, Any]:
+def _generate_kwargs(gen: GenerationConfig, tokenizer: Any, stops: list[int]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "max_new_tokens": gen.max_new_tokens,
         "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
+        # The union, not the tokenizer's EOS alone: that would replace the model's stop list.
+        "eos_token_id": stops or None,
     }
     if gen.temperature > 0:
         kwargs.update(do_sample=True, temperature=gen.temperature, top_p=gen.top_p)

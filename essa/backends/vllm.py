@@ -39,6 +39,7 @@ import numpy as np
 
 from essa.adapters import SVDAdapter
 from essa.backends.evaluator import EvalStats
+from essa.backends.stops import stop_token_ids
 from essa.config import Config
 from essa.errors import UserError
 from essa.protocols import RowProgress
@@ -159,6 +160,8 @@ class VLLMEvaluator:
         self.last_logprobs: list[list[list[float]]] = []
         self.nonfinite = np.zeros(0, dtype=bool)  # (P,) of the last call
         self.load_seconds = 0.0  # time spent exporting and (re)loading candidate adapters
+        # vLLM stops at the tokenizer's EOS; the model's own end-of-turn ids are added here.
+        self.stop_ids = stop_token_ids(tokenizer, model_generation_config(model_path))
         self._calls = 0
 
     def completions(
@@ -238,6 +241,7 @@ class VLLMEvaluator:
             "max_tokens": gen.max_new_tokens,
             "logprobs": 0,  # the sampled token's log-prob only
             "detokenize": False,  # decoded by the HF tokenizer, as on the HF backend
+            "stop_token_ids": self.stop_ids,
         }
         if gen.temperature <= 0:
             return SamplingParams(temperature=0.0, **common)
@@ -268,6 +272,18 @@ def open_evaluator(
     slots = -(-cfg.optimizer.population_size // world_size)  # the largest shard
     path = resolve_model_path(cfg.model.name_or_path)
     return VLLMEvaluator(cfg, adapter, tokenizer, path, slots=slots)
+
+
+def model_generation_config(model_path: str) -> Any | None:
+    """The model directory's generation_config.json as a transformers object, or None."""
+    from transformers import GenerationConfig
+
+    if not Path(model_path).is_dir():  # a hub id: vLLM resolved it; do not go online again
+        return None
+    try:
+        return GenerationConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None
 
 
 def _sampled_logprobs(output: Any) -> list[float]:

@@ -1,0 +1,253 @@
+"""A decode loop that stops paying for finished rows, with the same tokens as ``generate``.
+
+Completions vary from a few tokens to hundreds; HF ``generate`` keeps every row of a batch in
+every forward until the longest one ends. :func:`decode_rows` runs the same steps (prefill,
+then one token per step on a ``DynamicCache``, the logits processors that ``generate`` would
+build from the model's generation config and ours, argmax or multinomial), and whenever at
+least ``1 / COMPACT_FRACTION`` of the running rows have ended it drops them from the batch:
+the token history, the attention mask, the positions, every cache layer
+(``DynamicCache.batch_select_indices``) and the row -> candidate map (``set_rows`` is called
+with the surviving rows' candidates). Greedy completions are token for token those of
+``generate`` (tested). Sampling keeps its semantics (temperature, top-p and the model's
+processors), but once rows are dropped the multinomial draws come from a smaller batch, so a
+seed gives different samples than ``generate`` would.
+
+Host syncs: which rows have ended is read back every ``check_every`` steps (1 on CPU, where a
+read costs nothing; ``ACCELERATOR_CHECK_EVERY`` on GPUs, where each read drains the launch
+queue); finished rows in between are fed padding as ``generate`` does. The non-finite guard
+flags rows on the device and is read back at the same points.
+
+Uses two private ``GenerationMixin`` helpers to build exactly the processors ``generate``
+builds; :func:`supports_row_dropping` says when this loop applies (a plain full-attention
+``DynamicCache`` and those helpers present); otherwise the caller uses ``generate``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+COMPACT_FRACTION = 8  # drop ended rows once they are at least 1/8 of the running batch
+ACCELERATOR_CHECK_EVERY = 4  # steps between reads of the finished rows on a GPU
+
+
+class NonFiniteGuard:
+    """Flags generated rows whose next-token logits were ever NaN or infinite, and ends them.
+
+    A candidate whose scaled adapter overflows produces non-finite logits: greedy argmax then
+    picks an arbitrary token and sampling raises. A flagged row gets EOS as its only choice, so
+    it ends at once; the caller marks its candidate failed (NaN fitness) instead of grading
+    garbage. ``rows`` (N,) covers all rows of one ``generate_texts`` call. Detection stays on
+    the device (:meth:`check`); flags reach ``rows`` when the decode loop reads them back.
+    """
+
+    def __init__(self, n_rows: int, eos_token_id: int) -> None:
+        self.rows = torch.zeros(n_rows, dtype=torch.bool)  # (N,)
+        self.eos_token_id = eos_token_id
+        self._pending: tuple[int, torch.Tensor | None] = (0, None)  # generate's flags
+
+    def check(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bad (B,), logits with bad rows reduced to EOS), without a host sync."""
+        bad = ~torch.isfinite(logits).all(dim=-1)  # (B,)
+        eos_only = torch.full_like(logits[:1], float("-inf"))  # (1, V)
+        eos_only[0, self.eos_token_id] = 0.0
+        return bad, torch.where(bad[:, None], eos_only, logits)
+
+    def processors(self, start: int, stop: int) -> Any:
+        """For ``generate``: flags rows [start, stop) of ``rows``; read back by :meth:`flush`."""
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        guard = self
+        guard._pending = (start, None)
+
+        class _Check(LogitsProcessor):
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+                bad, scores = guard.check(scores)
+                flags = guard._pending[1]
+                guard._pending = (start, bad if flags is None else flags | bad)
+                return scores
+
+        return LogitsProcessorList([_Check()])
+
+    def flush(self) -> None:
+        """Copy the flags gathered by :meth:`processors` into ``rows`` (one host sync)."""
+        start, flags = self._pending
+        if flags is not None:
+            self.rows[start : start + len(flags)] |= flags.cpu()
+        self._pending = (0, None)
+
+
+def supports_row_dropping(model: Any) -> bool:
+    """True when :func:`decode_rows` can run ``model`` (see the module docstring)."""
+    from essa.backends.hf import has_plain_dynamic_cache
+
+    helpers = ("_prepare_generation_config", "_prepare_special_tokens", "_get_logits_processor")
+    if not all(hasattr(model, name) for name in helpers) or not has_plain_dynamic_cache(model):
+        return False
+    # The loop passes these by name; a wrapper whose forward takes **kwargs only (a PeftModel)
+    # might drop one silently, so such models keep generate (which unwraps them itself).
+    named = set(inspect.signature(model.forward).parameters)
+    return {"input_ids", "attention_mask", "position_ids", "use_cache"} <= named and bool(
+        named & {"cache", "past_key_values"}
+    )
+
+
+def decode_processors(
+    model: Any, generate_kwargs: dict[str, Any], input_ids: torch.Tensor
+) -> tuple[Any, Any]:
+    """(generation config, logits processors) exactly as ``generate`` builds them."""
+    from transformers import LogitsProcessorList
+
+    config, _ = model._prepare_generation_config(None, **generate_kwargs)
+    model._prepare_special_tokens(config, True, device=input_ids.device)
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=input_ids.shape[1],
+        encoder_input_ids=input_ids,
+        prefix_allowed_tokens_fn=None,
+        logits_processor=LogitsProcessorList(),
+        device=input_ids.device,
+        model_kwargs={},
+    )
+    return config, processors
+
+
+class _Running:
+    """The still-running rows of one micro-batch; ``origin[i]`` is row i's index in the batch."""
+
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, past: int) -> None:
+        positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # (B, T)
+        self.origin = torch.arange(input_ids.shape[0])  # (b,) CPU
+        self.sequences = input_ids  # (b, T + t) prompt and generated tokens
+        self.mask = attention_mask  # (b, T + t)
+        self.step_ids = input_ids[:, past:]  # (b, T - past) then (b, 1)
+        self.step_positions = positions[:, past:]  # same shape as step_ids
+        self.unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        self.flagged = torch.zeros_like(self.unfinished)  # (b,) non-finite logits seen
+
+    def append(self, tokens: torch.Tensor) -> None:
+        """Add one token per row (b,) and advance mask and positions."""
+        self.sequences = torch.cat([self.sequences, tokens[:, None]], dim=-1)
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(tokens), 1))], dim=-1)
+        self.step_positions = self.step_positions[:, -1:] + 1
+        self.step_ids = tokens[:, None]
+
+    def keep(self, kept: torch.Tensor, cache: Any) -> None:
+        """Keep only rows ``kept`` (k,) CPU indices, in the batch and in the cache."""
+        index = kept.to(self.sequences.device)
+        for name in ("sequences", "mask", "step_ids", "step_positions", "unfinished", "flagged"):
+            setattr(self, name, getattr(self, name).index_select(0, index))
+        cache.batch_select_indices(index)
+        self.origin = self.origin[kept]
+
+
+@torch.no_grad()
+def decode_rows(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    generate_kwargs: dict[str, Any],
+    *,
+    cache: Any = None,
+    rows: torch.Tensor | None = None,
+    set_rows: Callable[[torch.Tensor], None] | None = None,
+    guard: NonFiniteGuard | None = None,
+    guard_offset: int = 0,
+    check_every: int | None = None,
+) -> torch.Tensor:
+    """New tokens (B, T_new) on CPU, padded after each row's stop token as ``generate`` pads.
+
+    ``generate_kwargs`` are those ``generate`` would get (max_new_tokens, pad and eos ids,
+    sampling settings); ``cache`` may hold a shared prefix (its length is skipped in the
+    prefill); ``rows`` (B,) are the batch rows' candidates for ``set_rows``. Guard flags go to
+    ``guard.rows[guard_offset + i]``.
+    """
+    from transformers import DynamicCache
+
+    from essa.backends.hf import _cache_argument
+
+    config, processors = decode_processors(model, generate_kwargs, input_ids)
+    device, width = input_ids.device, input_ids.shape[1]
+    stops = config._eos_token_tensor
+    stops = torch.zeros(0, dtype=torch.long, device=device) if stops is None else stops.view(-1)
+    pad = int(generate_kwargs["pad_token_id"])
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    state = _Running(input_ids, attention_mask, cache.get_seq_length())
+    every = check_every or (1 if device.type == "cpu" else ACCELERATOR_CHECK_EVERY)
+    keep_one = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
+    done: dict[int, torch.Tensor] = {}  # batch row -> its new tokens, CPU
+    max_new = int(generate_kwargs["max_new_tokens"])
+    for step in range(max_new):
+        out = model(
+            input_ids=state.step_ids,
+            attention_mask=state.mask,
+            position_ids=state.step_positions,
+            use_cache=True,
+            **{_cache_argument(model): cache},
+            **keep_one,
+        )
+        logits = out.logits[:, -1].to(dtype=torch.float32)  # (b, V)
+        del out
+        if guard is not None:
+            bad, logits = guard.check(logits)
+            state.flagged |= bad
+        scores = processors(state.sequences, logits)  # (b, V)
+        if config.do_sample:
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            tokens = torch.argmax(scores, dim=-1)  # (b,)
+        tokens = torch.where(state.unfinished, tokens, pad)
+        state.append(tokens)
+        state.unfinished &= ~torch.isin(tokens, stops)
+        if step == max_new - 1 or (step + 1) % every:
+            continue
+        running = state.unfinished.cpu()  # the one host sync, every `every` steps
+        ended = int((~running).sum())
+        if ended == len(running):
+            break
+        if ended >= max(1, len(running) // COMPACT_FRACTION):
+            _collect(state, ~running, width, done, guard, guard_offset)
+            state.keep(running.nonzero().squeeze(1), cache)
+            if set_rows is not None and rows is not None:
+                set_rows(rows[state.origin])
+    _collect(
+        state, torch.ones(len(state.origin), dtype=torch.bool), width, done, guard, guard_offset
+    )
+    return _pad_after_stop([done[i] for i in range(len(done))], stops.cpu(), pad)
+
+
+def _collect(
+    state: _Running,
+    which: torch.Tensor,
+    width: int,
+    done: dict[int, torch.Tensor],
+    guard: NonFiniteGuard | None,
+    guard_offset: int,
+) -> None:
+    """Move the new tokens (and guard flags) of running rows ``which`` (b,) bool to the host."""
+    index = which.nonzero().squeeze(1)
+    tokens = state.sequences[:, width:].index_select(0, index.to(state.sequences.device)).cpu()
+    for i, row in zip(state.origin[index].tolist(), tokens, strict=True):
+        done[i] = row
+    if guard is not None:
+        flags = state.flagged.index_select(0, index.to(state.flagged.device)).cpu()
+        guard.rows[guard_offset + state.origin[index]] |= flags
+
+
+def _pad_after_stop(rows: list[torch.Tensor], stops: torch.Tensor, pad: int) -> torch.Tensor:
+    """(B, L): each row up to its first stop token, then ``pad``; L is the longest row."""
+    lengths = []
+    for row in rows:
+        hits = torch.isin(row, stops).nonzero()
+        lengths.append(int(hits[0]) + 1 if len(hits) else len(row))
+    out = torch.full((len(rows), max(lengths, default=0)), pad, dtype=torch.long)
+    for i, (row, length) in enumerate(zip(rows, lengths, strict=True)):
+        out[i, :length] = row[:length]
+    return out
+
+
+def _takes_logits_to_keep(model: Any) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
