@@ -18,7 +18,14 @@ from safetensors.torch import load_file
 from essa.config import load_config
 from essa.errors import UserError
 
-trl = pytest.importorskip("trl", reason="TRL is a bench-only dependency")
+pytestmark = pytest.mark.component("trl")
+
+
+@pytest.fixture(autouse=True)
+def _trl() -> None:
+    """Skip (a failure under ESSA_REQUIRE=trl) without TRL, a bench-only dependency."""
+    pytest.importorskip("trl", reason="TRL is a bench-only dependency")
+
 
 ROW_KEYS = {"row", "value", "target", "met", "note"}
 TINY = [

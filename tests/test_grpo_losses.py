@@ -381,6 +381,7 @@ def _trl_loss(loss_type: str, logp, old, ref, adv, mask, beta, eps_low, eps_high
     return GRPOTrainer._compute_loss(fake, None, inputs)
 
 
+@pytest.mark.component("trl")
 @pytest.mark.parametrize(
     ("name", "beta"), [("grpo", 0.04), ("dr_grpo", 0.0), ("dapo", 0.0), ("dapo", 0.1)]
 )
@@ -423,6 +424,7 @@ def test_losses_and_gradients_equal_trl(name: str, beta: float) -> None:
     assert torch.allclose(ours_logp.grad, trl_logp.grad, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.component("trl")
 def test_grpo_advantages_equal_trl_formula() -> None:
     utils = pytest.importorskip(
         "trl.trainer.utils", reason="TRL (test-only dependency) not installed"

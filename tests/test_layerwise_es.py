@@ -201,6 +201,7 @@ def test_active_layers_above_model_layers_is_one_line_error(
 
 @pytest.mark.mpi
 @pytest.mark.slow
+@pytest.mark.component("mpi")
 def test_layerwise_two_ranks_match_one_rank(tmp_path: Path, tiny_model_dir: Path) -> None:
     from tests.test_mpi import assert_same_adapter, mpi_ready, small, train, trajectory
 

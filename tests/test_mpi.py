@@ -23,6 +23,7 @@ from essa.config import ModelConfig
 from essa.dist import LocalComm, any_rank, check_replicas, get_comm, place_rank, shard
 from essa.dist.mpi import detect_mpi_launch
 from essa.errors import UserError
+from tests.conftest import requires
 
 TESTS = Path(__file__).parent
 SMALL = [
@@ -65,7 +66,7 @@ def mpi_ready() -> str:
     return ""
 
 
-needs_mpi = pytest.mark.skipif(bool(mpi_ready()), reason=mpi_ready() or "ready")
+needs_mpi = requires("mpi", mpi_ready() or None)
 
 
 def launch(

@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv-vllm"
 DEMO = REPO / "essa" / "data" / "demo"
 MAX_NEW_TOKENS = 6
+needs_vllm = pytest.mark.component("vllm")  # skips fail under ESSA_REQUIRE=vllm
 
 
 @cache
@@ -179,6 +180,7 @@ def equivalence(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.slow
+@needs_vllm
 def test_hf_and_vllm_greedy_completions_match(equivalence: dict) -> None:
     hf, vllm = equivalence["hf"], equivalence["vllm"]["completions"]
     pairs = [
@@ -202,6 +204,7 @@ def test_hf_and_vllm_greedy_completions_match(equivalence: dict) -> None:
 
 
 @pytest.mark.slow
+@needs_vllm
 def test_vllm_logprobs_match_hf_teacher_forcing(equivalence: dict) -> None:
     """vLLM's sampled-token log-probs = HF log-softmax of the same tokens, per candidate."""
     import torch
@@ -233,6 +236,7 @@ def test_vllm_logprobs_match_hf_teacher_forcing(equivalence: dict) -> None:
 
 
 @pytest.mark.slow
+@needs_vllm
 def test_essa_train_backend_vllm_end_to_end(tmp_path: Path) -> None:
     python = vllm_python()
     run_dir = tmp_path / "run"
@@ -260,6 +264,7 @@ def test_essa_train_backend_vllm_end_to_end(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@needs_vllm
 def test_self_confidence_reward_takes_vllm_logprobs(tmp_path: Path) -> None:
     """A log-prob reward (RLSC self-confidence) runs on the vLLM backend's sampled log-probs:
     every fitness is a length-normalised probability in (0, 1]."""
