@@ -191,8 +191,9 @@ def test_hf_and_vllm_greedy_completions_match(equivalence: dict) -> None:
     ]
     assert len(pairs) == 2 * 4 * len(equivalence["prompts"])
     mismatches = [(a, b) for a, b in pairs if a != b]
-    # Both run float32 on CPU; a mismatch needs two logits within rounding of each other.
-    assert len(mismatches) <= len(pairs) // 50, mismatches[:10]
+    # Both run float32 on CPU and every one of the 192 greedy completions agreed when this was
+    # written (docs/vllm.md): a mismatch now is a regression to look at, not noise to allow.
+    assert not mismatches, f"{len(mismatches)} of {len(pairs)} differ: {mismatches[:10]}"
     # The candidates matter (a backend ignoring the adapters would fail here): the SFT
     # adapter, x4 and x0 give different completions on both backends.
     for completions in (hf, vllm):
@@ -253,7 +254,9 @@ def test_essa_train_backend_vllm_end_to_end(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["generations"] == 2
-    assert 0.0 <= summary["final_accuracy"] <= 1.0
+    # An accuracy over data.test_size=16 prompts: a multiple of 1/16 (not a mean of fitness).
+    assert summary["test_size"] == 16
+    assert abs(16 * summary["final_accuracy"] - round(16 * summary["final_accuracy"])) < 1e-9
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     generations = [r for r in records if r.get("generation", -1) >= 0]
     assert [r["generation"] for r in generations] == [0, 1]
