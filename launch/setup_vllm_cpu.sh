@@ -24,7 +24,11 @@ ready() {
 }
 
 fail() {
-    echo "setup_vllm_cpu: $1 (the vLLM tests will skip)" >&2
+    if [ "$STRICT" = 1 ]; then
+        echo "setup_vllm_cpu: $1 (--strict: failing)" >&2
+    else
+        echo "setup_vllm_cpu: $1 (the vLLM tests will skip)" >&2
+    fi
     mkdir -p "$VENV" && echo "$1" >"$VENV/SETUP_FAILED"
     exit "$STRICT"
 }
