@@ -48,9 +48,12 @@ TESTS: dict[str, list[str]] = {
         "tests/test_optimizers.py", "tests/test_layerwise_es.py", "-m", "not slow and not mpi",
         "-k", "not import_does_not_pull and not 2000",
     ],
-    "adapters": ["tests/test_adapters.py", "-m", "not slow and not mpi"],
+    "adapters": [
+        "tests/test_adapters.py", "tests/test_layerwise_es.py", "-m", "not slow and not mpi",
+    ],
     "rewards": [
         "tests/test_rewards.py", "tests/test_rewards_group.py", "tests/test_rewards_model.py",
+        "tests/test_data_generators.py",  # the reasoning-gym reward
         # worker_thread grades with a 1 s budget that a loaded machine can exceed
         "-m", "not slow", "-k", "not worker_thread",
     ],

@@ -361,6 +361,46 @@ def test_cma_constant_fitness_leaves_the_distribution_alone():
     assert resumed.checksum() == opt.checksum()
 
 
+def test_adam_epsilon_damps_tiny_gradients():
+    from essa.optimizers.steps import adam_step
+
+    # First step: m = 0.1 g, sqrt(v) = sqrt(0.001) |g|; epsilon dominates for |g| << epsilon.
+    grad = np.array([1e-10, -1e-10])
+    step, _, _ = adam_step(grad, np.zeros(2), np.zeros(2), 1, lr=0.1, beta1=0.9, beta2=0.999,
+                           epsilon=1e-8)  # fmt: skip
+    assert np.all(np.sign(step) == -np.sign(grad))  # still a descent step ...
+    assert np.all(np.abs(step) < 0.1 * 0.02)  # ... but damped far below lr * sign(grad)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_state_format_and_versions_are_recorded(name):
+    """Checkpoint compatibility: the state format is 1 for every optimizer, and cma_es records
+    the pycma version its replay depends on (a different one warns on load)."""
+    opt = make(name)
+    run(opt, 2, np.random.default_rng(0))
+    state = opt.state_dict()
+    assert state["format"] == 1 and state["optimizer"] == name
+    if name == "cma_es":
+        import cma
+
+        assert state["cma_version"] == cma.__version__
+        state["cma_version"] = "0.0.0"
+        with pytest.warns(RuntimeWarning, match="saved with pycma 0.0.0"):
+            make(name).load_state_dict(state)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_best_x_is_the_best_candidate_and_dim_is_checked(name):
+    opt = make(name)
+    population = opt.ask()
+    fitness = -sphere(population)
+    opt.tell(population, fitness)
+    assert np.array_equal(opt.best_x, population[np.argmax(fitness)])
+    for dim in (0, -3, True, 2.0):
+        with pytest.raises(ValueError, match="dim"):
+            make_optimizer(name, dim, population_size=8, sigma0=0.3, seed=0)
+
+
 # (h) checksum ------------------------------------------------------------------------------
 
 
