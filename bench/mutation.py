@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("optimizers", "adapters", "rewards")
@@ -112,7 +113,7 @@ def _skipped_nodes(tree: ast.AST) -> set[int]:
 def _mutations(node: ast.AST) -> Iterator[tuple[str, ast.AST]]:
     """(operator name, replacement node) for each way this node can be mutated."""
     if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in COMPARE_SWAP:
-        new = copy.deepcopy(node)
+        new: Any = copy.deepcopy(node)
         new.ops = [COMPARE_SWAP[type(node.ops[0])]()]
         yield "compare", new
     elif isinstance(node, ast.BinOp) and type(node.op) in BINOP_SWAP:
@@ -130,9 +131,9 @@ def _mutations(node: ast.AST) -> Iterator[tuple[str, ast.AST]]:
         new.test = ast.UnaryOp(op=ast.Not(), operand=new.test)
         yield "negate-if", new
     elif isinstance(node, ast.Constant) and type(node.value) in (bool, int, float):
-        value = node.value
+        value: Any = node.value
         if isinstance(value, bool):
-            replacement: object = not value
+            replacement: Any = not value
         elif value in (0, 1):
             replacement = type(value)(1 - value)
         else:
@@ -157,7 +158,7 @@ class _Replace(ast.NodeTransformer):
 def sites(tree: ast.AST) -> list[tuple[ast.AST, str, ast.AST]]:
     """Every (node, operator, replacement) of a parsed module, in a stable (walk) order."""
     skip = _skipped_nodes(tree)
-    out = []
+    out: list[tuple[ast.AST, str, ast.AST]] = []
     for node in ast.walk(tree):
         if id(node) not in skip:
             out.extend((node, op, new) for op, new in _mutations(node))
@@ -268,7 +269,7 @@ def run_module(root: Path, path: Path, args: argparse.Namespace) -> list[Mutant]
     n_sites = len(sites(ast.parse(source)))
     rng = random.Random(f"{args.seed}:{path}")
     chosen = sorted(rng.sample(range(n_sites), min(args.per_module, n_sites)))
-    out = []
+    out: list[Mutant] = []
     for site in chosen:
         mutated, mutant = mutate(source, site)
         mutant.path = str(path)
