@@ -1,6 +1,6 @@
 """A short mutation pass over essa/optimizers, essa/adapters and essa/rewards (docs/testing.md).
 
-    nice -n 10 python -m bench.mutation [--per-module 6] [--seed 0] [--timeout 60]
+    nice -n 10 python -m bench.mutation [--per-module 5] [--seed 0] [--timeout 60]
                                         [--packages optimizers adapters rewards] [--only PATH]
 
 Hand-written, numpy/pytest only (no mutmut). For each module, every mutation site is listed from
@@ -8,7 +8,9 @@ the AST (operators below), and a fixed, seeded sample of ``--per-module`` sites 
 mutant is one changed node in a scratch copy of the repository (the working tree is never
 touched), run against that package's test subset (TESTS) plus the module's doctests with
 ``pytest -x -q``. A mutant is *killed* when that run fails, *timed out* (counted as killed, shown
-apart) when it runs past ``--timeout`` seconds, and *survives* when the tests pass.
+apart) when it runs past ``--timeout`` seconds, and *survives* when the tests pass. ``--only
+PATH...`` re-runs those modules' mutants (the same ones: the sample is seeded per path) and
+merges them into the recorded ``--output``, listing them under ``rerun``.
 
 Speed: the parent process imports the heavy libraries once (torch, transformers, peft, cma,
 pytest) but never ``essa``; each mutant runs in a forked child that imports the mutated tree, so
@@ -229,11 +231,16 @@ def modules(packages: list[str]) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--per-module", type=int, default=6)
+    parser.add_argument("--per-module", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--packages", nargs="+", default=list(PACKAGES), choices=PACKAGES)
-    parser.add_argument("--only", nargs="*", default=None, help="module paths (default: all)")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        help="re-run these module paths only and merge them into the recorded --output",
+    )
     parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "mutation.json")
     args = parser.parse_args(argv)
     sys.dont_write_bytecode = True  # a mutant must never run from a stale .pyc
@@ -289,7 +296,21 @@ def run_module(root: Path, path: Path, args: argparse.Namespace) -> list[Mutant]
     return out
 
 
+def _merged(results: list[Mutant], args: argparse.Namespace) -> tuple[list[Mutant], list[str]]:
+    """With --only: the recorded run's mutants, those of the re-run modules replaced."""
+    if not args.only or not args.output.exists():
+        return results, []
+    recorded = json.loads(args.output.read_text())
+    kept = [Mutant(**m) for m in recorded["results"] if m["path"] not in args.only]
+    order = {
+        path: i for i, path in enumerate(dict.fromkeys(m["path"] for m in recorded["results"]))
+    }
+    merged = sorted([*kept, *results], key=lambda m: (order.get(m.path, len(order)), m.site))
+    return merged, sorted(set(recorded.get("rerun", [])) | set(args.only))
+
+
 def report(results: list[Mutant], baseline: dict[str, float], args: argparse.Namespace) -> None:
+    results, rerun = _merged(results, args)
     survivors = [m for m in results if m.outcome == "survived"]
     total = len(results)
     share = len(survivors) / total if total else 0.0
@@ -299,7 +320,7 @@ def report(results: list[Mutant], baseline: dict[str, float], args: argparse.Nam
     )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({
-        "command": command, "baseline_seconds": baseline, "mutants": total,
+        "command": command, "rerun": rerun, "baseline_seconds": baseline, "mutants": total,
         "survived": len(survivors), "survived_share": round(share, 4),
         "results": [asdict(m) for m in results],
     }, indent=1) + "\n")  # fmt: skip

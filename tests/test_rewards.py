@@ -554,3 +554,19 @@ def test_verify_workers_stop_their_processes() -> None:
     processes = list(workers._all)
     workers.close()
     assert processes and all(p.poll() is not None for p in processes)
+
+
+def test_cold_worker_start_up_is_not_charged_to_the_item() -> None:
+    """A fresh worker gets STARTUP_SECONDS on top of the item's own deadline (python and
+    math-verify imports take far longer than the 0.05 s allowed per item here)."""
+    workers = VerifyWorkers(size=1)
+    try:
+        assert workers.run([("2", "2")], timeout_seconds=5, item_seconds=0.05) == [(True, "ok")]
+    finally:
+        workers.close()
+
+
+def test_reward_stats_repr_hides_its_lock() -> None:
+    from essa.rewards.base import RewardStats
+
+    assert repr(RewardStats()) == "RewardStats(n_items=0, n_none=0, n_error=0, n_timeout=0)"
