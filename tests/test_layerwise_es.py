@@ -125,6 +125,11 @@ def test_schedule_and_constructor_validate_their_inputs() -> None:
     assert active_layers(0, 3, 4, 2, [0.0, 1.0, 0.0, 1.0]) == (1, 3)  # zero weight: never
     with pytest.raises(ValueError, match="stds"):
         make(stds=np.zeros(24))
+    idle = next(i for i in range(4) if i not in make().active)  # not searched in block 0
+    stds = np.linspace(0.5, 2.0, 24)
+    stds[LAYERS[idle][0]] = 0.0  # the first block's optimizer never sees it: checked up front
+    with pytest.raises(ValueError, match="stds must be > 0"):
+        make(stds=stds)
     with pytest.raises(ValueError, match="interval"):
         make(interval=0)
     assert make().state_dict()["format"] == 1

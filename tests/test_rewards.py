@@ -570,3 +570,5 @@ def test_reward_stats_repr_hides_its_lock() -> None:
     from essa.rewards.base import RewardStats
 
     assert repr(RewardStats()) == "RewardStats(n_items=0, n_none=0, n_error=0, n_timeout=0)"
+    assert RewardStats() == RewardStats()  # equal counts are equal stats, whatever the lock
+    assert RewardStats(n_items=1) != RewardStats()
