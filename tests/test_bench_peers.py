@@ -18,7 +18,14 @@ from safetensors.torch import load_file
 from essa.config import load_config
 from essa.errors import UserError
 
-trl = pytest.importorskip("trl", reason="TRL is a bench-only dependency")
+pytestmark = pytest.mark.component("trl")
+
+
+@pytest.fixture(autouse=True)
+def _trl() -> None:
+    """Skip (a failure under ESSA_REQUIRE=trl) without TRL, a bench-only dependency."""
+    pytest.importorskip("trl", reason="TRL is a bench-only dependency")
+
 
 ROW_KEYS = {"row", "value", "target", "met", "note"}
 TINY = [
@@ -155,10 +162,34 @@ def test_peers_memory_reports_ratio_and_breakdown(tmp_path: Path, tiny_model_dir
     assert peaks["essa"]["median"] >= peaks["floor"]["median"] * 0.95
     ratio = result["ratio_essa_over_grpo"]["median"]
     assert ratio == pytest.approx(peaks["essa"]["median"] / peaks["grpo"]["median"])
-    grpo = result["breakdown"]["grpo"]
-    # AdamW holds two moments per LoRA parameter: exactly twice the gradients.
-    assert grpo["adamw_moments"] == pytest.approx(2 * grpo["lora_gradients"], abs=0.11)
     assert result["lora_parameters"] > 0 and result["essa_dim"] > 0
+    assert result["breakdown"]["grpo"]["adamw_moments"] > 0  # sizes: test_state_sizes_...
     rows = report_rows(result)
     assert rows[0]["target"] == "<= 0.5x" and isinstance(rows[0]["met"], bool)
     assert all(set(r) == ROW_KEYS for r in rows)
+
+
+def test_state_sizes_match_real_optimizer_state() -> None:
+    """The breakdown's formulas against what torch's AdamW and pycma really allocate."""
+    import cma
+    import numpy as np
+
+    from bench.peers_memory import MB, state_sizes
+
+    numel, dim, population = 3000, 40, 6
+    params = [torch.nn.Parameter(torch.zeros(1000)) for _ in range(3)]  # 3000 LoRA weights
+    adamw = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    adamw.step()
+    moments = sum(
+        t.nbytes for state in adamw.state.values() for k, t in state.items() if k != "step"
+    )
+    grads = sum(p.grad.nbytes for p in params)
+    sizes = state_sizes(numel, dim, population)
+    assert sizes["grpo"]["adamw_moments"] * MB == moments
+    assert sizes["grpo"]["lora_gradients"] * MB == grads == sizes["grpo"]["sft_reference_copy"] * MB
+    es = cma.CMAEvolutionStrategy(np.zeros(dim), 0.5, {"verbose": -9, "popsize": population})
+    es.tell(es.ask(), list(range(population)))
+    # C and its eigenvectors B, float64 D x D each; C^-1/2, the third, is built on demand.
+    assert sizes["essa"]["cma_es_matrices"] * MB == 1.5 * (es.sm.C.nbytes + es.sm.B.nbytes)

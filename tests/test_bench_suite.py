@@ -70,12 +70,37 @@ def test_strategies_cell_agrees_and_reports() -> None:
     setup = strategies.build()
     cell = strategies.time_cell(setup, population=4, n_prompts=4, repeats=1, merged_candidates=2)
     assert cell["same_completions"]
-    assert cell["merged_extrapolated"]
-    assert cell["auto_choice"] in ("batched", "merged")
-    assert cell["auto_vs_best"] >= 1.0
+    # auto chose the strategy its own probes measured as cheaper per candidate (not the slower).
+    probe = cell["auto_probe_per_candidate"]
+    assert probe["batched"] > 0 and probe["merged"] > 0
+    assert cell["auto_choice"] == ("batched" if probe["batched"] <= probe["merged"] else "merged")
+    assert 1 <= cell["auto_probes"] <= 3
     rows = strategies.report_rows({"cells": [cell], "skipped": ["P=64/N=256"]})
     check_rows(rows)
     assert "P=64/N=256" in rows[-1]["note"]
+
+
+def _cell(choice: str, batched: float, merged: float) -> dict:
+    """A strategies cell with given medians (s), as time_cell writes it."""
+    seconds = {"batched": median_spread([batched]), "merged": median_spread([merged])}
+    best = min(seconds, key=lambda k: seconds[k]["median"])
+    return {
+        "population": 8, "prompts": 16, "seconds": seconds, "merged_extrapolated": False,
+        "batched_speedup": merged / batched, "better": best, "auto_choice": choice,
+        "auto_vs_best": seconds[choice]["median"] / seconds[best]["median"],
+        "auto_probe_seconds": 0.1, "auto_probes": 1, "same_completions": True,
+        "auto_probe_per_candidate": {"batched": batched, "merged": merged},
+    }  # fmt: skip
+
+
+def test_strategies_report_flags_auto_choosing_the_slower_strategy() -> None:
+    good = strategies.report_rows({"cells": [_cell("batched", 1.0, 2.0)]})
+    assert good[0]["met"] is True and good[-1]["met"] is True
+    assert "x1.00 of best" in good[0]["value"]
+    bad = strategies.report_rows({"cells": [_cell("batched", 1.0, 2.0), _cell("merged", 1.0, 2.0)]})
+    assert bad[0]["met"] is True and bad[1]["met"] is False and bad[-1]["met"] is False
+    assert "x2.00 of best" in bad[1]["value"] and "missed: auto chose merged" in bad[1]["note"]
+    assert bad[-1]["value"].startswith("worst x2.00")
 
 
 def test_generation_overhead_demo_cell() -> None:
@@ -90,14 +115,19 @@ def test_generation_overhead_demo_cell() -> None:
 
 
 def test_recorded_results_render() -> None:
-    """Every recorded bench/results/<name>.json of a listed module gives well-formed rows."""
-    rendered = 0
-    for name, _, _ in suite.known():
+    """Every suite module has a recorded bench/results/<name>.json, and every recorded result of
+    a listed module renders its own rows (not the "unreadable result" fallback)."""
+    recorded = set()
+    for name, _, in_suite in suite.known():
         path = REPO / "bench" / "results" / f"{name}.json"
-        if path.exists():
-            check_rows(suite.rows_for(name, json.loads(path.read_text())))
-            rendered += 1
-    assert rendered >= 1
+        if not path.exists():
+            assert not in_suite, f"{name} is in the suite but has no recorded result"
+            continue
+        rows = suite.rows_for(name, json.loads(path.read_text()))
+        check_rows(rows)
+        assert rows[0]["value"] != "unreadable result", rows[0]["note"]
+        recorded.add(name)
+    assert {"strategies", "optimizer_timing", "generation_overhead"} <= recorded
 
 
 def test_report_only_lists_every_benchmark(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,8 +156,19 @@ def test_suite_runs_a_module_in_a_fresh_process(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # the fresh process finds `bench` from tmp_path
-    args = ["--dims", "10", "--populations", "4", "--methods", "openai_es", "--iterations", "2",
-            "--repeats", "1", *suite.thread_args("optimizer_timing", 1)]
+    args = [
+        "--dims",
+        "10",
+        "--populations",
+        "4",
+        "--methods",
+        "openai_es",
+        "--iterations",
+        "2",
+        "--repeats",
+        "1",
+        *suite.thread_args("optimizer_timing", 1),
+    ]
     run = suite.run_one("optimizer_timing", args)
     assert run["exit_code"] == 0, (tmp_path / "runs/bench-suite/optimizer_timing.log").read_text()
     result = read_result("optimizer_timing")

@@ -10,6 +10,7 @@ from essa.data import BUILTIN_SOURCES, DataError, builtin_examples, load_example
 from essa.data.arithmetic import arithmetic_examples
 from essa.data.generators import ARITHMETIC_LEVELS, level_examples
 from essa.rewards import get_reward
+from tests.conftest import requires
 
 
 def test_builtin_arithmetic_is_unchanged() -> None:
@@ -64,7 +65,7 @@ HAS_GYM = importlib.util.find_spec("reasoning_gym") is not None
 GYM_SKIP = "reasoning-gym is not installed (optional [gym] extra: pip install reasoning-gym)"
 
 
-@pytest.mark.skipif(not HAS_GYM, reason=GYM_SKIP)
+@requires("gym", None if HAS_GYM else GYM_SKIP)
 def test_reasoning_gym_source_and_reward() -> None:
     from essa.data.gym import GYM_NUM_TEST
     from essa.data.templates import render_prompt

@@ -47,7 +47,13 @@ def test_auto_records_choice_and_reuses_it(setup) -> None:  # type: ignore[no-un
     model, tokenizer, adapter = setup
     evaluator = PopulationEvaluator(model, tokenizer, adapter, GenerationConfig(max_new_tokens=4),
                                     EvaluationConfig(strategy="auto"))
-    evaluator.completions(population(adapter), PROMPTS)
+    from essa.backends.evaluator import MAX_PROBES
+
+    # Near a tie (a loaded machine) auto probes again, for at most MAX_PROBES populations.
+    for _ in range(MAX_PROBES):
+        evaluator.completions(population(adapter), PROMPTS)
+        if len(PROMPTS) in evaluator.chosen:
+            break
     assert evaluator.chosen[len(PROMPTS)] in ("batched", "merged")
     assert set(evaluator.stats.strategy_seconds) == {"batched", "merged"}
     # The model is left unwrapped and unmerged: the zero vector reproduces the SFT adapter.

@@ -22,6 +22,7 @@ def smollm2_dir() -> Path | None:
 
 
 @pytest.mark.slow
+@pytest.mark.component("gguf")
 def test_gguf_model_loads_and_generates() -> None:
     directory = smollm2_dir()
     if directory is None:
@@ -36,8 +37,13 @@ def test_gguf_model_loads_and_generates() -> None:
     assert sum(p.numel() for p in model.parameters()) > 100_000_000
     prompt = render_prompt("chat", "What is 12+7?", tokenizer=tokenizer)
     assert prompt.startswith("<|im_start|>system") and prompt.endswith("<|im_start|>assistant\n")
-    texts, _ = generate_texts(model, tokenizer, ["The capital of France is"],
-                              GenerationConfig(max_new_tokens=4), micro_batch_size=1)
+    texts, _ = generate_texts(
+        model,
+        tokenizer,
+        ["The capital of France is"],
+        GenerationConfig(max_new_tokens=4),
+        micro_batch_size=1,
+    )
     assert "Paris" in texts[0]
 
 

@@ -116,6 +116,35 @@ def test_rejects_bad_arguments_and_foreign_population() -> None:
         make(interval=4).load_state_dict(opt.state_dict())
 
 
+def test_schedule_and_constructor_validate_their_inputs() -> None:
+    for weights in ([1.0, 1.0, 1.0], [1.0, -1.0, 1.0, 1.0], [1.0, np.nan, 1.0, 1.0]):
+        with pytest.raises(ValueError, match="4 finite values >= 0"):
+            active_layers(0, 0, 4, 2, weights)
+    with pytest.raises(ValueError, match="at least 2 layers"):
+        active_layers(0, 0, 4, 2, [1.0, 0.0, 0.0, 0.0])
+    assert active_layers(0, 3, 4, 2, [0.0, 1.0, 0.0, 1.0]) == (1, 3)  # zero weight: never
+    with pytest.raises(ValueError, match="stds"):
+        make(stds=np.zeros(24))
+    idle = next(i for i in range(4) if i not in make().active)  # not searched in block 0
+    stds = np.linspace(0.5, 2.0, 24)
+    stds[LAYERS[idle][0]] = 0.0  # the first block's optimizer never sees it: checked up front
+    with pytest.raises(ValueError, match="stds must be > 0"):
+        make(stds=stds)
+    with pytest.raises(ValueError, match="interval"):
+        make(interval=0)
+    assert make().state_dict()["format"] == 1
+
+
+def test_layer_of_reads_the_decoder_layer_index() -> None:
+    from essa.adapters.layerwise import layer_of
+
+    assert layer_of("model.layers.12.self_attn.q_proj") == 12
+    assert layer_of("lm_head") is None
+    manifest = {"modules": [{"name": "lm_head", "slice_a": (0, 1), "slice_b": (1, 2)}]}
+    with pytest.raises(ValueError, match="lm_head belongs to no numbered layer"):
+        layer_blocks(manifest)
+
+
 def test_layer_blocks_from_a_real_adapter_manifest() -> None:
     import torch
 
@@ -206,6 +235,7 @@ def test_active_layers_above_model_layers_is_one_line_error(
 
 @pytest.mark.mpi
 @pytest.mark.slow
+@pytest.mark.component("mpi")
 def test_layerwise_two_ranks_match_one_rank(tmp_path: Path, tiny_model_dir: Path) -> None:
     from tests.test_mpi import assert_same_adapter, mpi_ready, small, train, trajectory
 

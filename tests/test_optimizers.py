@@ -257,10 +257,34 @@ def test_cma_warns_when_replay_does_not_reproduce_saved_mean():
 
 def test_centered_ranks_hand_example():
     fitness = np.array([10.0, np.nan, -1.0, 3.0, np.nan])
-    # ranks: the two NaNs 0 and 1 (in index order), -1 -> 2, 3 -> 3, 10 -> 4; then / 4 - 0.5
-    assert centered_ranks(fitness).tolist() == [0.5, -0.5, 0.0, 0.25, -0.25]
-    assert ranks_nan_worst(np.array([2.0, 2.0, 1.0])).tolist() == [1, 2, 0]
+    # ranks: the two NaNs tie at 0 and 1 (0.5 each), -1 -> 2, 3 -> 3, 10 -> 4; then / 4 - 0.5
+    assert centered_ranks(fitness).tolist() == [0.5, -0.375, 0.0, 0.25, -0.375]
+    assert ranks_nan_worst(np.array([2.0, 2.0, 1.0])).tolist() == [1.5, 1.5, 0.0]
     assert centered_ranks(np.array([np.nan])).tolist() == [0.0]
+
+
+def _reference_ranks(values: np.ndarray) -> list[float]:
+    """Average ranks by counting: below + (equal - 1) / 2, NaN equal to NaN and below numbers."""
+    keys = np.where(np.isnan(values), -np.inf, values)
+    return [float(np.sum(keys < k) + (np.sum(keys == k) - 1) / 2) for k in keys]
+
+
+def test_ranks_average_ties_like_counting():
+    rng = np.random.default_rng(0)
+    for size in (1, 2, 5, 16, 33):
+        values = rng.integers(0, 4, size).astype(np.float64)  # few levels: many ties
+        values[rng.random(size) < 0.2] = np.nan
+        assert ranks_nan_worst(values).tolist() == _reference_ranks(values), values
+        order = rng.permutation(size)  # ranks follow the values, never the positions
+        assert np.array_equal(ranks_nan_worst(values[order]), ranks_nan_worst(values)[order])
+    assert ranks_nan_worst(np.array([-0.0, 0.0])).tolist() == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("shaping", [centered_ranks, z_score])
+def test_constant_fitness_shapes_to_zero_and_ties_weigh_equally(shaping):
+    assert shaping(np.full(6, 0.25)).tolist() == [0.0] * 6
+    shaped = shaping(np.array([2.0, 0.0, 2.0, 1.0, np.nan, 2.0]))
+    assert shaped[0] == shaped[2] == shaped[5] > shaped[3] > shaped[1] >= shaped[4]
 
 
 def test_fill_failed_and_z_score():
@@ -294,6 +318,87 @@ def test_openai_es_sgd_update_matches_hand_formula():
     # centered ranks (0.5, -0.5): g = (0.5 - -0.5) * eps / 2, mean += lr * stds * g
     eps = pair_noise(7, 0, 1, 3)[0]
     assert np.allclose(opt.mean, stds * eps / 2, rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("step", ["adam", "sgd"])
+@pytest.mark.parametrize("shaping", ["centered_ranks", "z_score"])
+def test_openai_es_constant_fitness_is_a_zero_step(step, shaping):
+    opt = make("openai_es", step=step, shaping=shaping, x0=np.linspace(-1, 1, 12))
+    mean = opt.mean
+    metrics = opt.tell(opt.ask(), np.full(8, 0.5))  # a flat 0/1-accuracy batch
+    assert np.array_equal(opt.mean, mean)
+    assert metrics["step_norm"] == 0.0 and metrics["grad_norm"] == 0.0
+
+
+def test_openai_es_tied_pair_contributes_nothing():
+    opt = make_optimizer("openai_es", 3, population_size=4, sigma0=0.1, seed=7, step="sgd", lr=1.0)
+    opt.tell(opt.ask(), np.array([1.0, 1.0, 3.0, 0.0]))
+    # ranks (1.5, 1.5, 3, 0) -> centered (0, 0, 0.5, -0.5): pair 0 is tied and adds no direction.
+    eps = pair_noise(7, 0, 2, 3)
+    assert np.allclose(opt.mean, (0.5 - -0.5) * eps[1] / 4, rtol=1e-15, atol=0)
+
+    opt = make_optimizer("openai_es", 3, population_size=4, sigma0=0.1, seed=7, step="sgd", lr=1.0)
+    opt.tell(opt.ask(), np.array([2.0, 0.0, 2.0, 1.0]))
+    # Candidates 0 and 2 tie: both centered 2.5 / 3 - 0.5 = 1/3, whatever their positions.
+    shaped = np.array([1 / 3, -0.5, 1 / 3, -1 / 6])
+    expected = ((shaped[0] - shaped[1]) * eps[0] + (shaped[2] - shaped[3]) * eps[1]) / 4
+    assert np.allclose(opt.mean, expected, rtol=1e-12, atol=0)
+
+
+def test_cma_constant_fitness_leaves_the_distribution_alone():
+    opt = make("cma_es")
+    population, mean, sigma = opt.ask(), opt.mean, opt.sigma
+    metrics = opt.tell(population, np.full(8, 0.5))
+    assert metrics["skipped"] == 1.0 and opt.generation == 1
+    assert np.array_equal(opt.mean, mean) and opt.sigma == sigma
+    assert np.array_equal(opt.ask(), population)  # the same candidates, asked again
+    assert opt.best_fitness == 0.5  # still a real evaluation: it counts for the best so far
+    # One failure among equal values is a ranking (the failed one is worst): pycma is told.
+    metrics = opt.tell(population, np.array([0.5] * 7 + [np.nan]))
+    assert metrics["skipped"] == 0.0 and not np.array_equal(opt.mean, mean)
+    resumed = make("cma_es")
+    resumed.load_state_dict(json.loads(json.dumps(opt.state_dict())))
+    assert resumed.checksum() == opt.checksum()
+
+
+def test_adam_epsilon_damps_tiny_gradients():
+    from essa.optimizers.steps import adam_step
+
+    # First step: m = 0.1 g, sqrt(v) = sqrt(0.001) |g|; epsilon dominates for |g| << epsilon.
+    grad = np.array([1e-10, -1e-10])
+    step, _, _ = adam_step(grad, np.zeros(2), np.zeros(2), 1, lr=0.1, beta1=0.9, beta2=0.999,
+                           epsilon=1e-8)  # fmt: skip
+    assert np.all(np.sign(step) == -np.sign(grad))  # still a descent step ...
+    assert np.all(np.abs(step) < 0.1 * 0.02)  # ... but damped far below lr * sign(grad)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_state_format_and_versions_are_recorded(name):
+    """Checkpoint compatibility: the state format is 1 for every optimizer, and cma_es records
+    the pycma version its replay depends on (a different one warns on load)."""
+    opt = make(name)
+    run(opt, 2, np.random.default_rng(0))
+    state = opt.state_dict()
+    assert state["format"] == 1 and state["optimizer"] == name
+    if name == "cma_es":
+        import cma
+
+        assert state["cma_version"] == cma.__version__
+        state["cma_version"] = "0.0.0"
+        with pytest.warns(RuntimeWarning, match="saved with pycma 0.0.0"):
+            make(name).load_state_dict(state)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_best_x_is_the_best_candidate_and_dim_is_checked(name):
+    opt = make(name)
+    population = opt.ask()
+    fitness = -sphere(population)
+    opt.tell(population, fitness)
+    assert np.array_equal(opt.best_x, population[np.argmax(fitness)])
+    for dim in (0, -3, True, 2.0):
+        with pytest.raises(ValueError, match="dim"):
+            make_optimizer(name, dim, population_size=8, sigma0=0.3, seed=0)
 
 
 # (h) checksum ------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from essa.config import AdapterConfig, EvaluationConfig, GenerationConfig, ModelConfig, SFTConfig
+from tests.conftest import requires
 
 
 def _bnb_missing_reason() -> str | None:
@@ -31,7 +32,7 @@ def _bnb_missing_reason() -> str | None:
 
 
 _MISSING = _bnb_missing_reason()
-needs_bnb = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+needs_bnb = requires("bnb", _MISSING)
 
 PROMPTS = ["12+3=", "7+45=", "1+1=", "99+99="]
 MODES = ["int8", "int4"]

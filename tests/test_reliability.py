@@ -251,12 +251,14 @@ def small_tmpfs(tmp_path: Path):  # type: ignore[no-untyped-def]
     subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+@pytest.mark.component("tmpfs")
 def test_small_filesystem_is_refused_before_training(small_tmpfs: Path) -> None:
     res = essa("train", "--run-dir", str(small_tmpfs / "run"), *sets(*FAST))
     line = one_error_line(res)
     assert f"run.dir {small_tmpfs / 'run'}: only" in line and "MiB free" in line
 
 
+@pytest.mark.component("tmpfs")
 def test_full_filesystem_is_refused_before_training(small_tmpfs: Path) -> None:
     from essa.rundir import prepare_run_dir
 
@@ -273,6 +275,7 @@ def test_full_filesystem_is_refused_before_training(small_tmpfs: Path) -> None:
     assert not (small_tmpfs / "run" / ".write-probe").exists()
 
 
+@pytest.mark.component("readonly")
 def test_read_only_run_dir_is_refused(tmp_path: Path) -> None:
     target = tmp_path / "ro"
     target.mkdir()

@@ -482,3 +482,93 @@ def test_import_is_light() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_parse_plain_number_reads_integers_and_bare_decimals() -> None:
+    from fractions import Fraction
+
+    from essa.rewards.grading import parse_plain_number
+
+    assert parse_plain_number("5") == (Fraction(5), True)
+    assert parse_plain_number(".5") == (Fraction(1, 2), True)
+    assert parse_plain_number("0.1234567") == (Fraction(1234567, 10**7), False)
+    assert parse_plain_number(".") is None
+
+
+def test_boxed_command_at_the_end_of_the_text() -> None:
+    from essa.rewards.extract import _boxed_at
+
+    assert _boxed_at("so it is \\boxed", 9, "\\boxed") is None  # nothing after the command
+    assert extract_answer("so it is \\boxed") is None  # and no IndexError
+    assert extract_answer("\\boxed{12}") == "12"
+
+
+def test_reward_repr_names_it() -> None:
+    assert repr(get_reward("exact_match")) == "Reward('exact_match')"
+
+
+def test_deadline_warns_once_then_counts(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from essa.rewards import Reward
+    from essa.rewards.deadline import with_deadline
+
+    release = threading.Event()
+
+    def hangs(completions: list[str], answers: list, prompts: list[str]) -> list[float]:
+        release.wait(30)
+        return [1.0] * len(completions)
+
+    reward = with_deadline(Reward("custom", hangs), 0.05)
+    with caplog.at_level(logging.DEBUG, logger="essa.rewards.deadline"):
+        reward(["a"], ["1"], ["p"])
+        reward(["b"], ["1"], ["p"])
+    levels = [r.levelno for r in caplog.records if "did not return" in r.message]
+    assert levels == [logging.WARNING, logging.DEBUG]
+    release.set()
+
+
+def test_hung_reward_thread_does_not_keep_the_process_alive() -> None:
+    import subprocess
+
+    code = textwrap.dedent(
+        """
+        import threading
+        from essa.rewards import Reward
+        from essa.rewards.deadline import with_deadline
+
+        def hangs(completions, answers, prompts):
+            threading.Event().wait()  # forever
+
+        print(with_deadline(Reward("custom", hangs), 0.05)(["a"], ["1"], ["p"]))
+        """
+    )
+    # A non-daemon worker would block interpreter exit forever; the timeout only bounds that.
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[None]", done.stderr[-2000:]
+
+
+def test_verify_workers_stop_their_processes() -> None:
+    workers = VerifyWorkers(size=1)
+    assert workers.run([("2", "2")], timeout_seconds=5, item_seconds=60.0) == [(True, "ok")]
+    processes = list(workers._all)
+    workers.close()
+    assert processes and all(p.poll() is not None for p in processes)
+
+
+def test_cold_worker_start_up_is_not_charged_to_the_item() -> None:
+    """A fresh worker gets STARTUP_SECONDS on top of the item's own deadline (python and
+    math-verify imports take far longer than the 0.05 s allowed per item here)."""
+    workers = VerifyWorkers(size=1)
+    try:
+        assert workers.run([("2", "2")], timeout_seconds=5, item_seconds=0.05) == [(True, "ok")]
+    finally:
+        workers.close()
+
+
+def test_reward_stats_repr_hides_its_lock() -> None:
+    from essa.rewards.base import RewardStats
+
+    assert repr(RewardStats()) == "RewardStats(n_items=0, n_none=0, n_error=0, n_timeout=0)"
+    assert RewardStats() == RewardStats()  # equal counts are equal stats, whatever the lock
+    assert RewardStats(n_items=1) != RewardStats()

@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv-vllm"
 DEMO = REPO / "essa" / "data" / "demo"
 MAX_NEW_TOKENS = 6
+needs_vllm = pytest.mark.component("vllm")  # skips fail under ESSA_REQUIRE=vllm
 
 
 @cache
@@ -179,6 +180,7 @@ def equivalence(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.slow
+@needs_vllm
 def test_hf_and_vllm_greedy_completions_match(equivalence: dict) -> None:
     hf, vllm = equivalence["hf"], equivalence["vllm"]["completions"]
     pairs = [
@@ -189,8 +191,9 @@ def test_hf_and_vllm_greedy_completions_match(equivalence: dict) -> None:
     ]
     assert len(pairs) == 2 * 4 * len(equivalence["prompts"])
     mismatches = [(a, b) for a, b in pairs if a != b]
-    # Both run float32 on CPU; a mismatch needs two logits within rounding of each other.
-    assert len(mismatches) <= len(pairs) // 50, mismatches[:10]
+    # Both run float32 on CPU and every one of the 192 greedy completions agreed when this was
+    # written (docs/vllm.md): a mismatch now is a regression to look at, not noise to allow.
+    assert not mismatches, f"{len(mismatches)} of {len(pairs)} differ: {mismatches[:10]}"
     # The candidates matter (a backend ignoring the adapters would fail here): the SFT
     # adapter, x4 and x0 give different completions on both backends.
     for completions in (hf, vllm):
@@ -202,6 +205,7 @@ def test_hf_and_vllm_greedy_completions_match(equivalence: dict) -> None:
 
 
 @pytest.mark.slow
+@needs_vllm
 def test_vllm_logprobs_match_hf_teacher_forcing(equivalence: dict) -> None:
     """vLLM's sampled-token log-probs = HF log-softmax of the same tokens, per candidate."""
     import torch
@@ -233,6 +237,7 @@ def test_vllm_logprobs_match_hf_teacher_forcing(equivalence: dict) -> None:
 
 
 @pytest.mark.slow
+@needs_vllm
 def test_essa_train_backend_vllm_end_to_end(tmp_path: Path) -> None:
     python = vllm_python()
     run_dir = tmp_path / "run"
@@ -249,7 +254,9 @@ def test_essa_train_backend_vllm_end_to_end(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["generations"] == 2
-    assert 0.0 <= summary["final_accuracy"] <= 1.0
+    # An accuracy over data.test_size=16 prompts: a multiple of 1/16 (not a mean of fitness).
+    assert summary["test_size"] == 16
+    assert abs(16 * summary["final_accuracy"] - round(16 * summary["final_accuracy"])) < 1e-9
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     generations = [r for r in records if r.get("generation", -1) >= 0]
     assert [r["generation"] for r in generations] == [0, 1]
@@ -260,6 +267,7 @@ def test_essa_train_backend_vllm_end_to_end(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@needs_vllm
 def test_self_confidence_reward_takes_vllm_logprobs(tmp_path: Path) -> None:
     """A log-prob reward (RLSC self-confidence) runs on the vLLM backend's sampled log-probs:
     every fitness is a length-normalised probability in (0, 1]."""

@@ -9,6 +9,12 @@ Where this departs from the paper or from plain pycma use:
   counter still advances, and the next ``ask`` returns the same population again (pycma's TPA
   step-size rule forbids a second ``ask`` without a ``tell``; re-evaluating also suits transient
   failures). ``enable_raise_on_all_failed=True`` raises instead (and leaves the state untouched).
+- Ties: pycma ranks by ``np.argsort``, so tied candidates get adjacent but *unequal*
+  recombination weights in argsort order (deterministic, not by index); its ``tell`` has no way to
+  give them their average weight. A generation whose fitness is constant (every candidate finite
+  and equal: a flat 0/1-accuracy batch) carries no ranking at all, and pycma would still move the
+  mean towards an arbitrary half of the population; it is skipped like an all-failed one (mean,
+  covariance and sigma unchanged, the same population asked again, ``skipped`` = 1).
 - Full covariance as in the paper up to ``sep_above_dim`` (default 2000); above it, or with
   ``variant="sep"``, diagonal sep-CMA (``CMA_diagonal=True``), whose cost is linear in D.
 - Relative steps: ``stds`` become pycma's ``CMA_stds``, so the initial step of coordinate i is
@@ -101,6 +107,16 @@ def _global_numpy_rng_preserved() -> Iterator[None]:
         yield
     finally:
         np.random.set_state(saved)
+
+
+def ranks_nothing(fitness: Fitness) -> bool:
+    """True when no candidate ranks above another: every one failed, or all are finite and equal.
+
+    >>> ranks_nothing(np.array([1.0, 1.0])), ranks_nothing(np.array([1.0, np.nan]))
+    (True, False)
+    """
+    finite = fitness[~np.isnan(fitness)]
+    return bool(finite.size == 0 or (finite.size == fitness.size and finite.min() == finite.max()))
 
 
 def resolve_variant(variant: Variant, dim: int, sep_above_dim: int) -> Literal["full", "sep"]:
@@ -235,15 +251,17 @@ class CMAES(BestSoFar):
         return {
             **fitness_metrics(fitness),
             "sigma": self.sigma,
-            "skipped": float(all_failed),
+            "skipped": float(ranks_nothing(fitness)),
             "generation": float(self.generation),
         }
 
     def _apply(self, fitness: Fitness) -> None:
-        """Tell pycma and clear the pending population, or skip an all-failed generation."""
+        """Tell pycma and clear the pending population, or skip a generation that ranks nothing."""
         assert self._pending is not None and self._pending_population is not None
-        if np.all(np.isnan(fitness)):
+        if ranks_nothing(fitness):
             # Keep the population pending: pycma's TPA refuses a second ask() without a tell().
+            if not np.all(np.isnan(fitness)):
+                self._update_best(self._pending_population, fitness)
             self._n_skipped += 1
             return
         self._update_best(self._pending_population, fitness)

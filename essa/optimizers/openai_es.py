@@ -14,6 +14,9 @@ ranks over all returns, ``g = sum_pairs (r+ - r-) * eps / population_size``, and
   (Adam moments, weight decay ``l2coeff * z``) live in z, and the step is mapped back by
   ``* stds``. Without ``stds`` this is exactly the starter code's update.
 - sigma is constant (no schedule); ``shaping="z_score"`` is offered besides centered ranks.
+- Ties get their average centered rank (the starter code breaks them by position): a tied
+  antithetic pair contributes nothing, and constant fitness gives ``g = 0``, so from fresh
+  moments the step is exactly zero (later, Adam's or SGD's momentum still carries the mean on).
 - NaN fitness = failed, ranked worst. A generation where every candidate failed is skipped (no step,
   Adam's t unchanged) but counted, so the next generation draws new noise;
   ``enable_raise_on_all_failed=True`` raises instead.

@@ -1,7 +1,10 @@
 """Fitness shaping: small NaN-safe pure functions (higher fitness is better, NaN = failed).
 
-Ties are broken by position (a stable sort), as in OpenAI's ``compute_ranks``, which keeps the
-result deterministic and identical on every rank.
+Ties get the average of the ranks they span (as ``scipy.stats.rankdata(method="average")``), NaN
+entries included: they tie with each other below every number. Breaking ties by position instead
+(as OpenAI's ``compute_ranks`` does) turns a flat generation, common with 0/1 accuracy rewards,
+into a full-size step in an arbitrary direction; with average ranks constant fitness shapes to all
+zeros and two tied candidates always get equal weight. Deterministic and identical on every rank.
 """
 
 from __future__ import annotations
@@ -12,29 +15,41 @@ from essa.types import Fitness
 
 
 def ranks_nan_worst(fitness: Fitness) -> np.ndarray:
-    """Integer ranks 0..n-1, 0 = worst; NaN ranks below every number, ties keep their order.
+    """Float ranks 0..n-1, 0 = worst; NaN ranks below every number; ties get their average rank.
 
     >>> ranks_nan_worst(np.array([0.3, np.nan, 0.1, 0.3])).tolist()
-    [2, 0, 1, 3]
+    [2.5, 0.0, 1.0, 2.5]
     """
     values = np.asarray(fitness, dtype=np.float64)
     failed = np.isnan(values)
-    # lexsort is stable; its last key is the primary one: failed entries (False) sort first.
-    order = np.lexsort((np.where(failed, 0.0, values), ~failed))
-    ranks = np.empty(values.size, dtype=np.int64)
-    ranks[order] = np.arange(values.size)
+    keys = np.where(failed, 0.0, values)
+    # lexsort's last key is the primary one: failed entries (False) sort first.
+    order = np.lexsort((keys, ~failed))
+    sorted_failed, sorted_keys = failed[order], keys[order]
+    starts_group = np.ones(values.size, dtype=bool)  # (n,) True where a run of equal entries starts
+    starts_group[1:] = (sorted_failed[1:] != sorted_failed[:-1]) | (
+        sorted_keys[1:] != sorted_keys[:-1]
+    )
+    starts = np.flatnonzero(starts_group)
+    ends = np.append(starts[1:], values.size)  # exclusive
+    group = np.cumsum(starts_group) - 1  # (n,) group of each sorted position
+    ranks = np.empty(values.size, dtype=np.float64)
+    ranks[order] = ((starts + ends - 1) / 2.0)[group]
     return ranks
 
 
 def centered_ranks(fitness: Fitness) -> np.ndarray:
     """OpenAI-ES centered ranks: rank / (n - 1) - 0.5, in [-0.5, 0.5]; NaN gets the lowest.
 
-    A single value maps to 0.0 (its rank 0 has nothing to be divided against).
+    Ties share their average rank, so constant fitness gives all zeros. A single value maps to
+    0.0 (its rank 0 has nothing to be divided against).
 
     >>> centered_ranks(np.array([10.0, np.nan, -1.0, 3.0, 7.0])).tolist()
     [0.5, -0.5, -0.25, 0.0, 0.25]
+    >>> centered_ranks(np.array([1.0, 1.0, 1.0])).tolist()
+    [0.0, 0.0, 0.0]
     """
-    ranks = ranks_nan_worst(fitness).astype(np.float64)
+    ranks = ranks_nan_worst(fitness)
     if ranks.size < 2:
         return np.zeros_like(ranks)
     return ranks / (ranks.size - 1) - 0.5
