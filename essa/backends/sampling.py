@@ -86,3 +86,60 @@ def crn_sample(
     u = uniforms(seeds, step).to(cdf.device)[:, None] * cdf[:, -1:]  # (b, 1): rounding-safe
     tokens = torch.searchsorted(cdf, u, right=True).squeeze(1)  # first v with cdf[v] > u
     return tokens.clamp_(max=scores.shape[-1] - 1)
+
+
+class RowPicker:
+    """Picks each running row's next token and, when asked, records its log-probability.
+
+    Greedy (``temperature == 0``): argmax of the processed scores, as ``generate``. Sampling with
+    ``seeds`` (N,) int64: :func:`crn_sample` with row r's own stream, wherever r sits in the batch.
+    The recorded log-prob is that of the raw model distribution, ``log softmax(logits)[y_t]``
+    (vLLM's default ``raw_logprobs``), one per generated token, the stop token included.
+    """
+
+    def __init__(
+        self,
+        n_rows: int,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seeds: torch.Tensor | None = None,
+        record_logprobs: bool = False,
+        device: torch.device | None = None,
+    ) -> None:
+        self.temperature = temperature
+        self.top_p = top_p
+        self.seeds = None if seeds is None else seeds.to(device or "cpu")  # (N,) int64
+        self.logprobs = (
+            torch.zeros(n_rows, max_new_tokens, dtype=torch.float32, device=device)
+            if record_logprobs
+            else None
+        )  # (N, T_new)
+
+    @property
+    def samples(self) -> bool:
+        return self.temperature > 0
+
+    def pick(
+        self, logits: torch.Tensor, scores: torch.Tensor, origin: torch.Tensor, step: int
+    ) -> torch.Tensor:
+        """(b,) next tokens of rows ``origin`` (b,) from raw ``logits`` and processed ``scores``."""
+        if not self.samples:
+            tokens = torch.argmax(scores, dim=-1)
+        else:
+            if self.seeds is None:
+                raise ValueError("sampling with RowPicker needs the rows' seeds")
+            seeds = self.seeds.index_select(0, origin.to(self.seeds.device))
+            tokens = crn_sample(scores, seeds.to(scores.device), step, self.temperature, self.top_p)
+        if self.logprobs is not None:
+            logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None])  # (b, 1)
+            self.logprobs[origin.to(self.logprobs.device), step] = logp.squeeze(1)
+        return tokens
+
+    def row_logprobs(self, lengths: list[int]) -> list[list[float]]:
+        """Per row, the log-probs of its first ``lengths[r]`` generated tokens."""
+        if self.logprobs is None:
+            return [[] for _ in lengths]
+        host = self.logprobs.cpu()
+        return [host[r, :n].tolist() for r, n in enumerate(lengths)]
