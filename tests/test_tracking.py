@@ -20,9 +20,19 @@ import pytest
 from essa.errors import UserError
 from essa.tracking import check_trackers, samples_markdown, scalars
 
-pytest.importorskip("tensorboard")
-pytest.importorskip("wandb")
-pytest.importorskip("trackio")
+
+def _missing_trackers() -> str | None:
+    import importlib.util
+
+    absent = [n for n in ("tensorboard", "wandb", "trackio") if importlib.util.find_spec(n) is None]
+    return f"{', '.join(absent)} not installed (the [track] extra)" if absent else None
+
+
+# The whole module needs the three libraries: a component, so ESSA_REQUIRE=track makes a skip fail.
+pytestmark = [
+    pytest.mark.skipif(_missing_trackers() is not None, reason=_missing_trackers() or ""),
+    pytest.mark.component("track"),
+]
 
 WORKER = """
 import json, sys
