@@ -90,6 +90,7 @@ class OptimizerConfig:
     use_relative_steps: bool = True  # scale each coordinate by its SFT singular value
     variant: Literal["auto", "full", "sep"] = "auto"  # cma_es covariance
     sep_above_dim: int = 2000  # cma_es: diagonal covariance above this dimension when auto
+    mirrored: bool = False  # cma_es: antithetic candidate pairs (openai_es always samples them)
     lr: float = 0.1  # openai_es step size
     step: Literal["adam", "sgd"] = "adam"  # openai_es step rule
     layerwise: LayerwiseConfig = field(default_factory=LayerwiseConfig)
@@ -497,6 +498,10 @@ def check_values(cfg: Config) -> None:
             f"adapter.alpha: {cfg.adapter.alpha} with adapter.rank={cfg.adapter.rank} selects zero "
             "singular values per factor (floor(alpha*r) = 0); raise alpha or rank"
         )
+    if cfg.optimizer.mirrored and cfg.optimizer.name != "cma_es":
+        raise ConfigError("optimizer.mirrored: applies to cma_es (openai_es is always antithetic)")
+    if cfg.optimizer.mirrored and cfg.optimizer.population_size % 2:
+        raise ConfigError("optimizer.population_size: mirrored pairs need an even population")
     if cfg.optimizer.name == "openai_es" and cfg.optimizer.population_size % 2:
         raise ConfigError(
             "optimizer.population_size: openai_es needs an even population (antithetic pairs)"
