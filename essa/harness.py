@@ -336,8 +336,16 @@ class Harness:
             rows = sample_rows(generation, questions, texts, answers, scores)
             write_samples(self.samples, rows)
             self.trackers.log_samples(rows, step=generation if final else generation + 1)
-            print_samples(self.reporter.console, rows)
+            print_samples(self.reporter.console, rows, self._samples_title(generation, final))
         return mean
+
+    def _samples_title(self, generation: int, final: bool) -> str:
+        """The console's words, counted as the progress lines count (steps done)."""
+        if generation == -1:
+            return "samples (SFT start)"
+        if final:
+            return f"samples (final, after {generation} {self.unit})"
+        return f"samples after {self.unit[:-1]} {generation + 1}"
 
     # ------------------------------------------------------------------ the loop
     def steps(self, done: int, show: Callable[[JSONDict], JSONDict]) -> Iterator[Step]:
