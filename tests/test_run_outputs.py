@@ -113,3 +113,24 @@ def test_run_writes_samples_tracker_and_names_metric(
     assert summary["scale_baseline_ran"] is (recipe is ESSA)  # the demo runs it; GRPO has none
     check_samples_and_metric(run_dir, summary)
     check_tensorboard(run_dir, summary, fitness_key)
+
+
+def test_trackers_close_when_the_run_fails(tmp_path: Path) -> None:
+    """``with harness:`` flushes the event file even when the run raises (SummaryWriter would
+    otherwise hold the record for up to two minutes)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from essa.config import load_config
+    from essa.dist import get_comm
+    from essa.harness import Harness
+
+    cfg = load_config(None, ["run.report_to=[tensorboard]"])
+    h = Harness(cfg, tmp_path, resume=False, console=None, comm=get_comm())
+    with pytest.raises(RuntimeError), h:
+        h.log({"generation": -1, "event": "baseline", "heldout_accuracy": 0.5})
+        raise RuntimeError("model load failed")
+    assert h.trackers.trackers == []
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("heldout_accuracy")] == [(0, 0.5)]
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["heldout_accuracy"] == 0.5
