@@ -13,7 +13,7 @@ from essa.errors import UserError
 from essa.protocols import Evaluator, LogprobEvaluator, RowProgress
 from essa.rewards.base import Reward
 from essa.rewards.logprob import LogprobReward
-from essa.types import AdapterVector, Example, Fitness, Population
+from essa.types import AdapterVector, Fitness, Population
 
 
 def minibatch(n: int, size: int, seed: int, generation: int) -> np.ndarray:
@@ -116,17 +116,12 @@ def generation_record(
     return record
 
 
-def accuracy_of(
+def heldout_texts(
     evaluator: Evaluator,
     vector: AdapterVector,
-    examples: list[Example],
     prompts: list[str],
     progress: RowProgress | None = None,
-) -> float:
-    """Greedy pass@1 of one candidate on ``examples`` (the held-out split)."""
-    from essa.recipes.common import accuracy
-
-    if not examples:
-        return float("nan")
+) -> list[str]:
+    """Greedy completions of one candidate on the held-out prompts (scored by the harness)."""
     (texts,) = evaluator.completions(np.asarray(vector)[None, :], prompts, progress=progress)
-    return accuracy(texts, examples, prompts)
+    return list(texts)
