@@ -227,7 +227,7 @@ def evaluate(model: Any, tokenizer: Any, data: Any, cfg: Any) -> float:
     import torch
 
     from essa.backends.hf import generate_texts
-    from essa.recipes.common import accuracy
+    from essa.evaluation import heldout_metric, score_heldout
 
     was_training = model.training
     model.eval()
@@ -240,7 +240,8 @@ def evaluate(model: Any, tokenizer: Any, data: Any, cfg: Any) -> float:
             micro_batch_size=cfg.evaluation.micro_batch_size,
         )
     model.train(was_training)
-    return accuracy(texts, data.test, data.test_prompts)
+    _, metric = heldout_metric(cfg)  # evaluation.metric, as the recipes score held-out
+    return score_heldout(metric, texts, data.test, data.test_prompts)[0]
 
 
 def _callback(cfg: Any, data: Any, tokenizer: Any, metrics: Any, log: StepLog, console: Any) -> Any:

@@ -11,7 +11,12 @@ A recipe supplies its state, its step and its checkpoint contents; the harness o
 * progress phases (model load, SFT, held-out passes, each generation or step, export): one rich
   progress line per phase on the console, the same format for every recipe, and one record per
   phase in ``phases.jsonl`` (``"event": "phase"``, start time, seconds, items done);
-* the summary: ``summary.json`` (atomic) and the closing console line.
+* the held-out metric (``evaluation.metric``, :meth:`Harness.score`) and, at the baseline,
+  every ``evaluation.every`` steps and the final evaluation, a few samples to read
+  (``samples.jsonl``, truncated on resume like the metrics, and a compact console table);
+* the trackers of ``run.report_to``: every metrics record (:meth:`Harness.log`), the samples,
+  the resolved config and the summary; ``with harness:`` closes them whatever happens;
+* the summary: ``summary.json`` (atomic, naming ``heldout_metric``) and the closing line.
 
 ``phases.jsonl`` is a file of its own rather than more lines in ``metrics.jsonl``: readers of
 metrics.jsonl (essa compare, bench/, tests) take every line as a generation or baseline record.
@@ -23,14 +28,15 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from essa.config import Config, dump_config
+from essa.config import Config, dump_config, to_dict
 from essa.dist import Comm, any_rank
 from essa.errors import UserError
+from essa.evaluation import check_heldout_answers, heldout_metric, score_heldout
 from essa.rundir import (
     MetricsLog,
     atomic_write_json,
@@ -38,6 +44,9 @@ from essa.rundir import (
     recover,
     stop_on_storage_error,
 )
+from essa.samples import print_samples, sample_rows, samples_log, write_samples
+from essa.tracking import Trackers, make_trackers
+from essa.types import Example
 
 JSONDict = dict[str, Any]
 
@@ -238,6 +247,8 @@ class Harness:
         self.unit = unit  # "generations" or "steps": what the loop counts
         self.checkpoint_every = checkpoint_every
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=self.is_root)
+        self.samples = samples_log(run_dir, enabled=self.is_root)
+        self.metric_name, self.metric = heldout_metric(cfg)  # what "held-out accuracy" means
         self.reporter = Reporter(
             console if self.is_root else None,
             show_progress=cfg.run.show_progress,
@@ -249,6 +260,17 @@ class Harness:
         self._saved = 0  # steps held by the last complete checkpoint
         if self.is_root and not resume:  # first, so that a kill at any later moment can resume
             atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+        # After the config: wandb and trackio write under run_dir. A resumed run starts a new
+        # tracker run whose steps go on from the checkpoint.
+        self.trackers = (
+            make_trackers(cfg.run.report_to, run_dir, to_dict(cfg)) if self.is_root else Trackers()
+        )
+
+    def __enter__(self) -> Harness:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.trackers.close()  # flushes event files and ends wandb/trackio runs, also on errors
 
     # ------------------------------------------------------------------ console
     def say(self, text: str) -> None:
@@ -275,11 +297,55 @@ class Harness:
         """Adopt a loaded checkpoint (``done`` steps) or start the metrics afresh (None)."""
         if state is None:
             self.metrics.truncate_after(-2)
+            self.samples.truncate_after(-2)
             return None
         self.metrics.truncate_after(done - 1)  # records past the checkpoint will be redone
+        self.samples.truncate_after(done - 1)
         self.elapsed_before = float(state.get("elapsed", 0.0))
         self._saved = done
         return state
+
+    def log(self, record: JSONDict) -> None:
+        """One metrics.jsonl record, and the same to every tracker (step: steps done)."""
+        self.metrics.write(record)
+        self.trackers.log(record, step=int(record["generation"]) + 1)
+
+    # ------------------------------------------------------------------ held-out
+    def check_heldout(self, examples: Sequence[Example]) -> None:
+        """Refuse held-out data the metric cannot grade, before any model loads."""
+        check_heldout_answers(self.metric_name, examples)
+
+    def score(
+        self,
+        texts: Sequence[str],
+        examples: Sequence[Example],
+        prompts: Sequence[str],
+        generation: int | None = None,
+        *,
+        final: bool = False,
+    ) -> float:
+        """Mean held-out score of ``texts`` under ``evaluation.metric`` (rank 0's call).
+
+        With ``generation`` (-1: the SFT baseline; the steps done for ``final``) the first
+        held-out items also go to samples.jsonl, the trackers and the console.
+        """
+        mean, scores = score_heldout(self.metric, texts, examples, prompts)
+        if generation is not None:
+            questions = [e.prompt for e in examples]
+            answers = [e.answer for e in examples]
+            rows = sample_rows(generation, questions, texts, answers, scores)
+            write_samples(self.samples, rows)
+            self.trackers.log_samples(rows, step=generation if final else generation + 1)
+            print_samples(self.reporter.console, rows, self._samples_title(generation, final))
+        return mean
+
+    def _samples_title(self, generation: int, final: bool) -> str:
+        """The console's words, counted as the progress lines count (steps done)."""
+        if generation == -1:
+            return "samples (SFT start)"
+        if final:
+            return f"samples (final, after {generation} {self.unit})"
+        return f"samples after {self.unit[:-1]} {generation + 1}"
 
     # ------------------------------------------------------------------ the loop
     def steps(self, done: int, show: Callable[[JSONDict], JSONDict]) -> Iterator[Step]:
@@ -305,10 +371,11 @@ class Harness:
 
     # ------------------------------------------------------------------ summary
     def finish(self, summary: JSONDict) -> JSONDict:
-        """Write summary.json and print the closing line; returns the summary."""
+        """Write summary.json, log it to the trackers, print the closing line; returns it."""
         atomic_write_json(self.run_dir / "summary.json", summary)
+        self.trackers.log_summary(summary)
         self.say(
-            f"held-out accuracy {summary['baseline_accuracy']:.3f} -> "
+            f"held-out {summary['heldout_metric']} {summary['baseline_accuracy']:.3f} -> "
             f"{summary['final_accuracy']:.3f} ({summary['improvement']:+.3f}); "
             f"adapter: {summary['adapter_dir']}"
         )
@@ -325,6 +392,7 @@ class Harness:
             "generations": steps,
             "wall_seconds": round(self.elapsed, 2),
             "process_wall_seconds": round(time.perf_counter() - self.started, 2),
+            "heldout_metric": self.metric_name,  # what the two accuracies measured
             "adapter_dir": str(Path(adapter_dir).resolve()),  # absolute: runs start anywhere
             **extra,
         }
@@ -357,7 +425,7 @@ class Step:
         self.stop_reason = self._stop_reason(done)
         last = done >= h.cfg.run.generations
         with stop_on_storage_error(h.run_dir, h._saved, h.unit):
-            h.metrics.write(record)
+            h.log(record)
             if h.is_root and (done % h.checkpoint_every == 0 or last or self.stop_reason):
                 save()
                 h._saved = done

@@ -83,12 +83,18 @@ def _short(text: Any, width: int = _CELL) -> str:
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
-def samples_table(rows: Sequence[dict[str, Any]]) -> Any:
-    """A compact rich Table of sample rows: one line each, long text cut with an ellipsis."""
+def samples_table(rows: Sequence[dict[str, Any]], title: str | None = None) -> Any:
+    """A compact rich Table of sample rows: one line each, long text cut with an ellipsis.
+
+    ``title`` defaults to one naming the rows' ``generation`` field (-1: the SFT start).
+    """
     from rich.table import Table
 
     generation = rows[0]["generation"] if rows else None
-    title = "samples (SFT start)" if generation == -1 else f"samples after generation {generation}"
+    if title is None:
+        title = (
+            "samples (SFT start)" if generation == -1 else f"samples after generation {generation}"
+        )
     table = Table(title=title, title_justify="left", box=None, pad_edge=False, show_edge=False)
     for name in ("prompt", "completion", "answer", "reference", "reward"):
         table.add_column(name, no_wrap=True, overflow="ellipsis")
@@ -104,7 +110,7 @@ def samples_table(rows: Sequence[dict[str, Any]]) -> Any:
     return table
 
 
-def print_samples(console: Any, rows: Sequence[dict[str, Any]]) -> None:
+def print_samples(console: Any, rows: Sequence[dict[str, Any]], title: str | None = None) -> None:
     """Show ``rows`` on a rich console (nothing without a console or rows)."""
     if console is not None and rows:
-        console.print(samples_table(rows))
+        console.print(samples_table(rows, title))

@@ -263,12 +263,15 @@ def test_two_ranks_match_one_rank(reference: Path, tiny_model_dir: Path, tmp_pat
         "config.yaml",
         "metrics.jsonl",
         "phases.jsonl",
+        "samples.jsonl",
         "checkpoint.json",
         "sft_adapter",
         "adapter",
         "summary.json",
     }
     assert not leftovers
+    # rank 0 alone writes the samples, the same as one process's
+    assert (run_dir / "samples.jsonl").read_text() == (reference / "samples.jsonl").read_text()
 
 
 @pytest.mark.mpi

@@ -202,6 +202,8 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path: Path) -> None:
     assert summary["final_accuracy"] == ref_summary["final_accuracy"]
     gens = [json.loads(line)["generation"] for line in metrics.read_text().splitlines()]
     assert gens == [-1, 0, 1, 2, 3, 4]
+    # samples.jsonl is truncated on resume like the metrics: the same rows as the uninterrupted run
+    assert (run_dir / "samples.jsonl").read_text() == (ref / "samples.jsonl").read_text()
 
 
 @pytest.mark.slow

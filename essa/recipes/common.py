@@ -81,23 +81,19 @@ def render_prompts(
         raise UserError(f"data.template: {err}") from None
 
 
+def render_splits(task: Task, data: DataConfig, tokenizer: Any) -> tuple[list[str], list[str]]:
+    """(train prompts, test prompts) in ``data.template`` with ``data.system_prompt``."""
+    return (
+        render_prompts(task.train, data.template, tokenizer, data.system_prompt),
+        render_prompts(task.test, data.template, tokenizer, data.system_prompt),
+    )
+
+
 def seed_everything(seed: int) -> None:
     """Seed global RNGs once, for third-party code; our own code passes explicit generators."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def accuracy(
-    completions: Sequence[str], examples: Sequence[Example], prompts: Sequence[str]
-) -> float:
-    """Greedy pass@1 with math-verify: ungradable items count as wrong."""
-    from essa.rewards import get_reward
-
-    scores = get_reward("math_accuracy")(
-        list(completions), [e.answer for e in examples], list(prompts)
-    )
-    return float(np.mean([s or 0.0 for s in scores])) if scores else float("nan")
 
 
 def load_base_model(cfg: Config, h: Harness) -> tuple[Any, Any]:

@@ -30,11 +30,11 @@ from essa.dist import Comm
 from essa.harness import Harness, Phase, read_json_checkpoint, write_json_checkpoint
 from essa.protocols import Evaluator, Optimizer
 from essa.recipes.fitness import (
-    accuracy_of,
     check_generation,
     fault_counts,
     fault_delta,
     generation_record,
+    heldout_texts,
     shard_fitness,
     track_best,
 )
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from essa.adapters.svd import SVDAdapter
     from essa.recipes.common import Task
 
-Heldout = Callable[[AdapterVector, str], float]
+Heldout = Callable[..., float]  # (vector, name=..., generation=..., final=...) -> score
 
 
 def run(
@@ -71,48 +71,44 @@ def run(
     h = Harness(cfg, run_dir, resume=resume, console=console, comm=comm or get_comm())
     common.seed_everything(cfg.run.seed)
     task = common.load_task(cfg.data, cfg.run.seed)
+    h.check_heldout(task.test)  # before the model loads
     vllm = cfg.backend == "vllm"  # it returns the sampled tokens' log-probs, not the reference's
     reward = load_reward(cfg.reward, recipe="ESSA", **es_reward_inputs(cfg))
-    model, tokenizer = common.load_base_model(cfg, h)
-    base_bytes = model_bytes(model)  # the base weights as stored (quantised ones packed)
-    peft_model, sft_dir = common.adapter_on_every_rank(cfg, model, tokenizer, task, h)
-    adapter = common.svd_adapter(peft_model, cfg.adapter.alpha)
-    base = None if vllm else peft_model.unload()  # the engine loads its own copy of the base
-    del model, peft_model
-    evaluator = population_evaluator(cfg, base, tokenizer, adapter, h.comm.world_size)
-    evaluator.record_logprobs = COMPLETION_LOGPROBS in reward.needs  # type: ignore[attr-defined]
-    train_prompts = common.render_prompts(
-        task.train, cfg.data.template, tokenizer, cfg.data.system_prompt
-    )
-    test_prompts = common.render_prompts(
-        task.test, cfg.data.template, tokenizer, cfg.data.system_prompt
-    )
-    heldout = functools.partial(_heldout, h, evaluator, task.test, test_prompts)
-    opt = common.make_es_optimizer(cfg, adapter)
-    loaded = _load_checkpoint(run_dir, opt) if resume else None
-    state = h.restore(loaded, done=opt.generation)  # the generations the checkpoint holds
-    if state is None:
-        state = _initial_state(cfg, h, evaluator, adapter, task, train_prompts, reward, heldout)
-        h.metrics.write(_baseline_record(state, adapter.dim, memory_metrics(base_bytes)))
-    h.say(
-        f"ESSA: D={adapter.dim} singular-value offsets, population "
-        f"{cfg.optimizer.population_size}, {cfg.data.batch_size} prompts/generation, "
-        f"held-out baseline {state['baseline_accuracy']:.3f}"
-    )
-    for step in h.steps(opt.generation, show=_shown):
-        g = step.index
-        record, population, fitness = _generation(
-            cfg, g, opt, evaluator, task.train, train_prompts, reward, h.comm, step.progress
+    with h:  # the trackers close whatever happens
+        model, tokenizer = common.load_base_model(cfg, h)
+        base_bytes = model_bytes(model)  # the base weights as stored (quantised ones packed)
+        peft_model, sft_dir = common.adapter_on_every_rank(cfg, model, tokenizer, task, h)
+        adapter = common.svd_adapter(peft_model, cfg.adapter.alpha)
+        base = None if vllm else peft_model.unload()  # the engine loads its own copy of the base
+        del model, peft_model
+        evaluator = population_evaluator(cfg, base, tokenizer, adapter, h.comm.world_size)
+        evaluator.record_logprobs = COMPLETION_LOGPROBS in reward.needs  # type: ignore[attr-defined]
+        train_prompts, test_prompts = common.render_splits(task, cfg.data, tokenizer)
+        heldout = functools.partial(_heldout, h, evaluator, task.test, test_prompts)
+        opt = common.make_es_optimizer(cfg, adapter)
+        state = h.restore(_load_checkpoint(run_dir, opt) if resume else None, done=opt.generation)
+        if state is None:
+            state = _initial_state(cfg, h, evaluator, adapter, task, train_prompts, reward, heldout)
+            h.log(_baseline_record(state, adapter.dim, memory_metrics(base_bytes)))
+        h.say(
+            f"ESSA: D={adapter.dim} singular-value offsets, population "
+            f"{cfg.optimizer.population_size}, {cfg.data.batch_size} prompts/generation, "
+            f"held-out {h.metric_name} baseline {state['baseline_accuracy']:.3f}"
         )
-        track_best(state, population, fitness)
-        if h.due(g, cfg.evaluation.every):
-            record["heldout_accuracy"] = heldout(opt.mean)
-        state["elapsed"] = h.elapsed
-        step.finish(record, lambda: _save_checkpoint(run_dir, opt, state))
-    state.update(test_size=len(task.test), model_bytes=base_bytes, elapsed=h.elapsed)
-    if not h.is_root:
-        return {}  # rank 0 alone evaluates, exports and writes the summary
-    return _finish(cfg, h, adapter, opt, state, heldout, sft_dir)
+        for step in h.steps(opt.generation, show=_shown):
+            g = step.index
+            record, population, fitness = _generation(
+                cfg, g, opt, evaluator, task.train, train_prompts, reward, h.comm, step.progress
+            )
+            track_best(state, population, fitness)
+            if h.due(g, cfg.evaluation.every):
+                record["heldout_accuracy"] = heldout(opt.mean, generation=g)
+            state["elapsed"] = h.elapsed
+            step.finish(record, lambda: _save_checkpoint(run_dir, opt, state))
+        state.update(test_size=len(task.test), model_bytes=base_bytes, elapsed=h.elapsed)
+        if not h.is_root:
+            return {}  # rank 0 alone evaluates, exports and writes the summary
+        return _finish(cfg, h, adapter, opt, state, heldout, sft_dir)
 
 
 def _heldout(
@@ -122,12 +118,15 @@ def _heldout(
     prompts: list[str],
     vector: AdapterVector,
     name: str = "held-out",
+    generation: int | None = None,
+    final: bool = False,
 ) -> float:
-    """Held-out accuracy of ``vector`` (rank 0 alone; it never feeds back into training)."""
-    if not h.is_root:
+    """Held-out score of ``vector`` (rank 0 alone; never fed back); samples with ``generation``."""
+    if not h.is_root or not examples:
         return float("nan")
     with h.phase(name, len(prompts), unit="rows") as bar:
-        return accuracy_of(evaluator, vector, examples, prompts, bar.advance)
+        texts = heldout_texts(evaluator, vector, prompts, bar.advance)
+    return h.score(texts, examples, prompts, generation, final=final)
 
 
 def _generation(
@@ -178,7 +177,7 @@ def _initial_state(
     from essa.recipes.baselines import scale_baseline, scale_rows
 
     state: dict[str, Any] = {
-        "baseline_accuracy": heldout(np.zeros(adapter.dim), "held-out baseline"),
+        "baseline_accuracy": heldout(np.zeros(adapter.dim), "held-out baseline", -1),
         "best_fitness": None,
         "best_vector": None,
         "elapsed": 0.0,
@@ -245,7 +244,7 @@ def _finish(
     vector = np.asarray(opt.mean)
     if cfg.evaluation.select == "best" and state["best_vector"] is not None:
         vector = np.asarray(state["best_vector"])
-    final = heldout(vector, "final held-out")
+    final = heldout(vector, "final held-out", opt.generation, final=True)
     adapter_dir = h.run_dir / "adapter"
     with h.phase("export"):
         adapter.export_peft(vector, adapter_dir, base_model_name_or_path=cfg.model.name_or_path)

@@ -142,20 +142,15 @@ def generation_record(
     return record
 
 
-def accuracy_of(
+def heldout_texts(
     evaluator: Evaluator,
     vector: AdapterVector,
-    examples: list[Example],
     prompts: list[str],
     progress: RowProgress | None = None,
-) -> float:
-    """Greedy pass@1 of one candidate on ``examples`` (the held-out split)."""
-    from essa.recipes.common import accuracy
-
-    if not examples:
-        return float("nan")
+) -> list[str]:
+    """Greedy completions of one candidate on the held-out prompts (scored by the harness)."""
     (texts,) = evaluator.completions(np.asarray(vector)[None, :], prompts, progress=progress)
-    return accuracy(texts, examples, prompts)
+    return texts
 
 
 def shard_fitness(

@@ -79,45 +79,56 @@ def run(
     variant = losses.get_variant(g.loss)
     common.seed_everything(cfg.run.seed)
     task = common.load_task(cfg.data, cfg.run.seed)
+    h.check_heldout(task.test)  # before the model loads
     # Group rewards work as is: each prompt's G completions come in one call.
     reward = load_reward(cfg.reward, recipe="GRPO", groups=True, deadline=False)
-    model, tokenizer = common.load_base_model(cfg, h)
-    base_bytes = model_bytes(model)  # the base weights as stored, as ESSA reports them
-    peft_model, sft_dir = common.load_or_train_adapter(
-        cfg, model, tokenizer, task, run_dir, h.reporter
-    )
-    policy = Policy.build(peft_model, g.trainable, cfg.adapter.alpha, _beta(cfg) != 0.0)
-    optimizer = _make_optimizer(cfg, policy)
-    data = _Data.build(task, cfg, tokenizer)
-    state = _load_checkpoint(run_dir, policy, optimizer) if resume else None
-    state = h.restore(state, done=state["step"] if state else 0)
-    if state is None:
-        baseline = heldout_accuracy(policy, tokenizer, data, cfg, h, "held-out baseline")
-        state = {"step": 0, "baseline_accuracy": baseline, "elapsed": 0.0, "history": {}}
-        h.metrics.write(
-            {
-                "generation": -1,
-                "event": "baseline",
-                "heldout_accuracy": baseline,
-                "dim": policy.dim,
-                "variant": _preset(cfg),
-            }
+    with h:  # the trackers close whatever happens
+        model, tokenizer = common.load_base_model(cfg, h)
+        base_bytes = model_bytes(model)  # the base weights as stored, as ESSA reports them
+        peft_model, sft_dir = common.load_or_train_adapter(
+            cfg, model, tokenizer, task, run_dir, h.reporter
         )
-    h.say(
-        f"GRPO ({g.loss}, trainable={g.trainable}): {policy.dim} parameters, "
-        f"{g.prompts_per_step} prompts x G={g.group_size} per step, "
-        f"held-out baseline {state['baseline_accuracy']:.3f}"
-    )
-    for step in h.steps(state["step"], show=_shown):
-        record = train_step(
-            cfg, variant, policy, optimizer, tokenizer, reward, data, state, step.progress
+        policy = Policy.build(peft_model, g.trainable, cfg.adapter.alpha, _beta(cfg) != 0.0)
+        optimizer = _make_optimizer(cfg, policy)
+        data = _Data.build(task, cfg, tokenizer)
+        state = _load_checkpoint(run_dir, policy, optimizer) if resume else None
+        state = h.restore(state, done=state["step"] if state else 0)
+        if state is None:
+            state = _initial_state(cfg, h, policy, tokenizer, data)
+        h.say(
+            f"GRPO ({g.loss}, trainable={g.trainable}): {policy.dim} parameters, "
+            f"{g.prompts_per_step} prompts x G={g.group_size} per step, "
+            f"held-out {h.metric_name} baseline {state['baseline_accuracy']:.3f}"
         )
-        if h.due(step.index, cfg.evaluation.every):
-            record["heldout_accuracy"] = heldout_accuracy(policy, tokenizer, data, cfg, h)
-        state.update(step=step.index + 1, elapsed=h.elapsed)
-        step.finish(record, lambda: _save_checkpoint(run_dir, policy, optimizer, state))
-    state["model_bytes"] = base_bytes
-    return _finish(cfg, h, policy, tokenizer, data, state, sft_dir)
+        for step in h.steps(state["step"], show=_shown):
+            record = train_step(
+                cfg, variant, policy, optimizer, tokenizer, reward, data, state, step.progress
+            )
+            if h.due(step.index, cfg.evaluation.every):
+                record["heldout_accuracy"] = heldout_accuracy(
+                    policy, tokenizer, data, cfg, h, generation=step.index
+                )
+            state.update(step=step.index + 1, elapsed=h.elapsed)
+            step.finish(record, lambda: _save_checkpoint(run_dir, policy, optimizer, state))
+        state["model_bytes"] = base_bytes
+        return _finish(cfg, h, policy, tokenizer, data, state, sft_dir)
+
+
+def _initial_state(
+    cfg: Config, h: Harness, policy: Policy, tokenizer: Any, data: _Data
+) -> dict[str, Any]:
+    """Fresh-run state and metrics.jsonl's baseline record: the SFT adapter's held-out score."""
+    baseline = heldout_accuracy(policy, tokenizer, data, cfg, h, "held-out baseline", -1)
+    h.log(
+        {
+            "generation": -1,
+            "event": "baseline",
+            "heldout_accuracy": baseline,
+            "dim": policy.dim,
+            "variant": _preset(cfg),
+        }
+    )
+    return {"step": 0, "baseline_accuracy": baseline, "elapsed": 0.0, "history": {}}
 
 
 def _beta(cfg: Config) -> float:
@@ -158,14 +169,10 @@ class _Data:
 
     @classmethod
     def build(cls, task: Task, cfg: Config, tokenizer: Any) -> _Data:
-        from essa.recipes.common import render_prompts
+        from essa.recipes.common import render_splits
 
-        return cls(
-            task.train,
-            render_prompts(task.train, cfg.data.template, tokenizer, cfg.data.system_prompt),
-            task.test,
-            render_prompts(task.test, cfg.data.template, tokenizer, cfg.data.system_prompt),
-        )
+        train_prompts, test_prompts = render_splits(task, cfg.data, tokenizer)
+        return cls(task.train, train_prompts, task.test, test_prompts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,18 +395,21 @@ def heldout_accuracy(
     tokenizer: Any,
     data: _Data,
     cfg: Config,
-    h: Harness | None = None,
+    h: Harness,
     name: str = "held-out",
+    generation: int | None = None,
+    *,
+    final: bool = False,
 ) -> float:
-    """Greedy pass@1 on the fixed test split (the same helper and split as ESSA)."""
+    """Greedy held-out score (``evaluation.metric``) on the fixed test split, as ESSA's.
+
+    With ``generation`` its first items are also samples (:meth:`Harness.score`).
+    """
     from essa.backends.hf import generate_texts
-    from essa.harness import Reporter
-    from essa.recipes.common import accuracy
 
     if not data.test:
         return float("nan")
-    reporter = h.reporter if h is not None else Reporter(None)
-    with policy.inference(), reporter.phase(name, len(data.test), unit="rows") as bar:
+    with policy.inference(), h.phase(name, len(data.test), unit="rows") as bar:
         texts, _ = generate_texts(
             policy.model,
             tokenizer,
@@ -408,7 +418,7 @@ def heldout_accuracy(
             micro_batch_size=cfg.evaluation.micro_batch_size,
             progress=bar.advance,
         )
-    return accuracy(texts, data.test, data.test_prompts)
+    return h.score(texts, data.test, data.test_prompts, generation, final=final)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -510,7 +520,9 @@ def _finish(
     from essa.backends.memory import memory_metrics
 
     g = cfg.grpo
-    final = heldout_accuracy(policy, tokenizer, data, cfg, h, "final held-out")
+    final = heldout_accuracy(
+        policy, tokenizer, data, cfg, h, "final held-out", state["step"], final=True
+    )
     adapter_dir = h.run_dir / "adapter"
     with h.phase("export"):
         policy.export(adapter_dir, cfg.model.name_or_path)
@@ -522,9 +534,10 @@ def _finish(
         algorithm="grpo",
         loss=g.loss,
         trainable=g.trainable,
-        sft_adapter_dir=sft_dir,
+        sft_adapter_dir=str(Path(sft_dir).resolve()),  # absolute: the run may start elsewhere
         selected="final",
         scale_baseline=None,
+        scale_baseline_ran=False,  # GRPO has no no-search baseline
         dim=policy.dim,
         test_size=len(data.test),
         variant=_preset(cfg),

@@ -1,0 +1,136 @@
+"""What a run writes beside its metrics, for both recipes through the real CLI on the demo model:
+the held-out metric (``evaluation.metric``) named in the summary, samples.jsonl at every
+evaluation, and a TensorBoard event file read back (issue 17).
+
+The held-out split is cut to 4 items, the samples shown per evaluation, so the samples hold every
+held-out completion and the summary's scores can be recomputed from them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from essa.rewards import get_reward
+from tests.test_train_e2e import essa, sets
+
+TINY = [
+    "sft.steps=4",
+    "data.sft_size=32",
+    "data.test_size=4",
+    "evaluation.every=1",
+    "run.generations=2",
+    "run.show_progress=false",
+    "run.report_to=[tensorboard]",
+    "evaluation.metric=exact_match",
+]
+ESSA = ["data.batch_size=8", "optimizer.population_size=4"]
+GRPO = ["algorithm=grpo", "grpo.prompts_per_step=4", "grpo.group_size=4"]
+SAMPLE_KEYS = {"generation", "prompt", "completion", "extracted", "reference", "reward"}
+
+
+def samples(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+
+
+def check_samples_and_metric(run_dir: Path, summary: dict) -> None:
+    """Samples at the baseline, after each generation and at the end; scores recomputed."""
+    rows = samples(run_dir)
+    assert [r["generation"] for r in rows] == [g for g in (-1, 0, 1, 2) for _ in range(4)]
+    assert all(set(r) == SAMPLE_KEYS for r in rows)
+    assert all(r["reference"] is not None and r["prompt"] for r in rows)
+    exact = get_reward("exact_match")
+    for generation, key in ((-1, "baseline_accuracy"), (2, "final_accuracy")):
+        at = [r for r in rows if r["generation"] == generation]
+        texts, refs = [r["completion"] for r in at], [r["reference"] for r in at]
+        recomputed = [s or 0.0 for s in exact(texts, refs, [r["prompt"] for r in at])]
+        assert [r["reward"] for r in at] == recomputed
+        assert summary[key] == pytest.approx(sum(recomputed) / len(recomputed))
+    assert summary["heldout_metric"] == "exact_match"
+
+
+@pytest.mark.parametrize(("metric", "expected"), [("math_accuracy", 1.0), ("exact_match", 0.0)])
+def test_heldout_score_follows_evaluation_metric(
+    tmp_path: Path, metric: str, expected: float
+) -> None:
+    """The same completions score differently under the two metrics; samples carry the score."""
+    from essa.config import load_config
+    from essa.dist import get_comm
+    from essa.harness import Harness
+    from essa.types import Example
+
+    cfg = load_config(None, [f"evaluation.metric={metric}"])
+    h = Harness(cfg, tmp_path, resume=False, console=None, comm=get_comm())
+    with h:
+        assert h.metric_name == metric
+        examples = [Example("1/2 as a decimal?", "0.5"), Example("6/2?", "3")]
+        texts = ["The answer is \\boxed{1/2}", "#### 3.0"]  # right, not written as the reference
+        assert h.score(texts, examples, ["p1", "p2"], generation=-1) == expected
+        assert (
+            h.summary(baseline=0, final=0, steps=0, adapter_dir=tmp_path)["heldout_metric"]
+            == metric
+        )
+    assert [r["reward"] for r in samples(tmp_path)] == [expected, expected]
+
+
+def check_tensorboard(run_dir: Path, summary: dict, fitness_key: str) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [(e.step, e.value) for e in events.Scalars(fitness_key)]
+    assert logged == [
+        (r["generation"] + 1, pytest.approx(r[fitness_key])) for r in metrics[1:]
+    ]  # step = generations done; the baseline (no fitness) is step 0
+    assert [e.step for e in events.Scalars("heldout_accuracy")] == [0, 1, 2]
+    assert events.Scalars("summary/final_accuracy")[0].value == pytest.approx(
+        summary["final_accuracy"]
+    )
+    text = {tag: events.Tensors(f"{tag}/text_summary") for tag in ("config", "samples", "summary")}
+    assert b"exact_match" in text["summary"][0].tensor_proto.string_val[0]
+    assert len(text["samples"]) == 4  # baseline, two generations, final
+    assert b"report_to" in text["config"][0].tensor_proto.string_val[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("recipe", "fitness_key"), [(ESSA, "mean_fitness"), (GRPO, "mean_reward")], ids=["essa", "grpo"]
+)
+def test_run_writes_samples_tracker_and_names_metric(
+    tmp_path: Path, recipe: list[str], fitness_key: str
+) -> None:
+    run_dir = tmp_path / "run"
+    res = essa("train", "--run-dir", str(run_dir), *sets(*TINY, *recipe))
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert f"held-out exact_match {summary['baseline_accuracy']:.3f}" in res.stdout
+    assert "samples (SFT start)" in res.stdout  # the compact console table
+    assert Path(summary["adapter_dir"]).is_absolute()
+    assert Path(summary["sft_adapter_dir"]).is_absolute()
+    assert summary["scale_baseline_ran"] is (recipe is ESSA)  # the demo runs it; GRPO has none
+    check_samples_and_metric(run_dir, summary)
+    check_tensorboard(run_dir, summary, fitness_key)
+
+
+def test_trackers_close_when_the_run_fails(tmp_path: Path) -> None:
+    """``with harness:`` flushes the event file even when the run raises (SummaryWriter would
+    otherwise hold the record for up to two minutes)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from essa.config import load_config
+    from essa.dist import get_comm
+    from essa.harness import Harness
+
+    cfg = load_config(None, ["run.report_to=[tensorboard]"])
+    h = Harness(cfg, tmp_path, resume=False, console=None, comm=get_comm())
+    with pytest.raises(RuntimeError), h:
+        h.log({"generation": -1, "event": "baseline", "heldout_accuracy": 0.5})
+        raise RuntimeError("model load failed")
+    assert h.trackers.trackers == []
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("heldout_accuracy")] == [(0, 0.5)]
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["heldout_accuracy"] == 0.5
