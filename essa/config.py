@@ -90,6 +90,7 @@ class OptimizerConfig:
     use_relative_steps: bool = True  # scale each coordinate by its SFT singular value
     variant: Literal["auto", "full", "sep"] = "auto"  # cma_es covariance
     sep_above_dim: int = 2000  # cma_es: diagonal covariance above this dimension when auto
+    mirrored: bool = False  # cma_es: antithetic candidate pairs (openai_es always samples them)
     lr: float = 0.1  # openai_es step size
     step: Literal["adam", "sgd"] = "adam"  # openai_es step rule
     layerwise: LayerwiseConfig = field(default_factory=LayerwiseConfig)
@@ -128,6 +129,9 @@ class GenerationConfig:
     max_new_tokens: int = 256  # room for a short chain of thought (demo: 8, "a+b=" answers)
     temperature: float = 0.0  # 0 = greedy (the project default: all variation from parameters)
     top_p: float = 1.0
+    # ESSA: completions per (candidate, prompt), sampled under common random numbers; group
+    # rewards (TTRL majority vote, EMPO) vote among a candidate's k samples of a prompt.
+    samples_per_prompt: int = 1
 
 
 # Rewards that compare a completion with the reference: the only held-out metrics (registered
@@ -494,12 +498,23 @@ def check_values(cfg: Config) -> None:
             f"adapter.alpha: {cfg.adapter.alpha} with adapter.rank={cfg.adapter.rank} selects zero "
             "singular values per factor (floor(alpha*r) = 0); raise alpha or rank"
         )
+    if cfg.optimizer.mirrored and cfg.optimizer.name != "cma_es":
+        raise ConfigError("optimizer.mirrored: applies to cma_es (openai_es is always antithetic)")
+    if cfg.optimizer.mirrored and cfg.optimizer.population_size % 2:
+        raise ConfigError("optimizer.population_size: mirrored pairs need an even population")
     if cfg.optimizer.name == "openai_es" and cfg.optimizer.population_size % 2:
         raise ConfigError(
             "optimizer.population_size: openai_es needs an even population (antithetic pairs)"
         )
     if cfg.generation.temperature < 0:
         raise ConfigError("generation.temperature: must be >= 0")
+    if cfg.generation.samples_per_prompt < 1:
+        raise ConfigError("generation.samples_per_prompt: must be >= 1")
+    if cfg.generation.samples_per_prompt > 1 and cfg.generation.temperature == 0:
+        raise ConfigError(
+            "generation.samples_per_prompt: greedy decoding (temperature 0) gives k identical "
+            "samples; set generation.temperature > 0 (e.g. 0.7) or samples_per_prompt: 1"
+        )
     if cfg.model.quantization != "none" and cfg.model.gguf_file:
         raise ConfigError(
             f"model.quantization: {cfg.model.quantization} cannot be combined with "

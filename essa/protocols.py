@@ -50,14 +50,18 @@ class Evaluator(Protocol):
         prompts: Sequence[str],
         seed: int | None = None,
         progress: RowProgress | None = None,
+        samples: int = 1,
     ) -> list[list[str]]:
-        """completions[candidate][prompt] for population (P, D); ``progress`` after each batch."""
+        """completions[candidate][item] for population (P, D), item ``i * samples + j`` the
+        j-th sample of prompt i, drawn from the same random stream for every candidate
+        (common random numbers); ``progress`` after each batch."""
         ...
 
 
 @runtime_checkable
 class LogprobEvaluator(Evaluator, Protocol):
-    """An evaluator that also returns the sampled tokens' log-probs (vLLM)."""
+    """An evaluator that also returns the sampled tokens' log-probs (vLLM; HF when its
+    ``record_logprobs`` is set)."""
 
     @property
     def last_logprobs(self) -> list[list[list[float]]]:
@@ -65,4 +69,22 @@ class LogprobEvaluator(Evaluator, Protocol):
         ...
 
 
-__all__ = ["Evaluator", "GenerationStats", "LogprobEvaluator", "Optimizer", "RowProgress"]
+@runtime_checkable
+class ReferenceScorer(Protocol):
+    """An evaluator that scores given continuations teacher-forced, per candidate (HF)."""
+
+    def reference_logprobs(
+        self, population: Population, prompts: Sequence[str], continuations: Sequence[str]
+    ) -> list[list[list[float]]]:
+        """[candidate][item][token] log pi_c(y_t | x, y_<t) of continuations[item]."""
+        ...
+
+
+__all__ = [
+    "Evaluator",
+    "GenerationStats",
+    "LogprobEvaluator",
+    "Optimizer",
+    "ReferenceScorer",
+    "RowProgress",
+]

@@ -39,8 +39,10 @@ class FakeEvaluator:
         prompts: Sequence[str],
         seed: int | None = None,
         progress: RowProgress | None = None,
+        samples: int = 1,
     ) -> list[list[str]]:
         population = np.atleast_2d(population)  # (P, D)
+        prompts = [p for p in prompts for _ in range(samples)]
         self.calls += 1
         self.nonfinite = ~np.isfinite(population).all(axis=1)  # (P,)
         out = []

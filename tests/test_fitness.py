@@ -48,6 +48,10 @@ def test_population_pool_votes_across_candidates() -> None:
     scores, metrics = candidate_scores(reward, texts, [None, None], ["a", "b"], comm=LocalComm())
     assert scores == [[1.0, 0.0], [1.0, 1.0], [0.0, 1.0]]
     assert metrics["majority_share"] == pytest.approx(4 / 6)
+    assert "majority_correct_share" not in metrics  # no labels: nothing to check the vote on
+    # With labels (hidden from the reward) the vote's accuracy is logged: 7 right, 3 wrong.
+    labelled, metrics = candidate_scores(reward, texts, ["7", "2"], ["a", "b"], comm=LocalComm())
+    assert labelled == scores and metrics["majority_correct_share"] == 0.5
     with pytest.raises(ValueError, match="communicator"):
         candidate_scores(reward, texts, [None, None], ["a", "b"])
 

@@ -413,3 +413,24 @@ def test_checksum_tracks_history(name):
     assert first.checksum() == second.checksum()
     assert first.checksum() != third.checksum()
     assert len(first.checksum()) == 64
+
+
+def test_cma_es_mirrored_pairs_are_antithetic_and_resume_exactly() -> None:
+    from essa.optimizers.cma_es import CMAES
+
+    stds = np.linspace(0.5, 2.0, 6)
+    opt = CMAES(6, population_size=8, sigma0=0.3, seed=4, stds=stds, mirrored=True)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        X = opt.ask()  # (8, 6): candidates 2i and 2i+1 mirror each other about the mean
+        mean = np.asarray(opt.mean)
+        np.testing.assert_allclose(X[0::2] + X[1::2], np.tile(2 * mean, (4, 1)), atol=1e-12)
+        opt.tell(X, -np.sum(X**2, axis=1) + rng.normal(0, 0.01, 8))
+    plain = CMAES(6, population_size=8, sigma0=0.3, seed=4, stds=stds)
+    Y = plain.ask()
+    assert not np.allclose(Y[0::2] + Y[1::2], 2 * np.asarray(plain.mean)[None, :])
+    again = CMAES(6, population_size=8, sigma0=0.3, seed=4, stds=stds, mirrored=True)
+    again.load_state_dict(opt.state_dict())
+    np.testing.assert_array_equal(again.ask(), opt.ask())
+    with pytest.raises(ValueError, match="even population"):
+        CMAES(6, population_size=7, sigma0=0.3, seed=4, mirrored=True)

@@ -16,6 +16,7 @@ from essa.rewards.pool import (
     majority_share,
     population_majority,
 )
+from tests.test_mpi import TESTS, launch, needs_mpi
 
 
 @pytest.mark.parametrize(
@@ -103,12 +104,9 @@ def test_pool_vote_of_the_fixture() -> None:
 
 
 @pytest.mark.mpi
+@needs_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_pool_vote_is_rank_count_independent(ranks: int, tmp_path) -> None:
-    from test_mpi import TESTS, launch, mpi_ready
-
-    if mpi_ready():
-        pytest.skip(mpi_ready())
     res, _ = launch(ranks, str(TESTS / "mpi_helpers.py"), "pool", str(tmp_path), timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]

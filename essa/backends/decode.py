@@ -25,10 +25,12 @@ builds; :func:`supports_row_dropping` says when this loop applies (a plain full-
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from essa.backends.sampling import RowPicker
 
 COMPACT_FRACTION = 8  # drop ended rows once they are at least 1/8 of the running batch
 ACCELERATOR_CHECK_EVERY = 4  # steps between reads of the finished rows on a GPU
@@ -157,13 +159,16 @@ def decode_rows(
     guard: NonFiniteGuard | None = None,
     guard_offset: int = 0,
     check_every: int | None = None,
+    picker: RowPicker | None = None,
 ) -> torch.Tensor:
     """New tokens (B, T_new) on CPU, padded after each row's stop token as ``generate`` pads.
 
     ``generate_kwargs`` are those ``generate`` would get (max_new_tokens, pad and eos ids,
     sampling settings); ``cache`` may hold a shared prefix (its length is skipped in the
     prefill); ``rows`` (B,) are the batch rows' candidates for ``set_rows``. Guard flags go to
-    ``guard.rows[guard_offset + i]``.
+    ``guard.rows[guard_offset + i]``. A ``picker`` (essa.backends.sampling.RowPicker) chooses
+    the tokens instead (common-random-number sampling, log-probs); ``generate_kwargs`` must then
+    be greedy, so that the processors do not warp the scores a second time.
     """
     from transformers import DynamicCache
 
@@ -195,7 +200,9 @@ def decode_rows(
             bad, logits = guard.check(logits)
             state.flagged |= bad
         scores = processors(state.sequences, logits)  # (b, V)
-        if config.do_sample:
+        if picker is not None:
+            tokens = picker.pick(logits, scores, state.origin, step)
+        elif config.do_sample:
             tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:
             tokens = torch.argmax(scores, dim=-1)  # (b,)
@@ -237,12 +244,18 @@ def _collect(
         guard.rows[guard_offset + state.origin[index]] |= flags
 
 
-def _pad_after_stop(rows: list[torch.Tensor], stops: torch.Tensor, pad: int) -> torch.Tensor:
-    """(B, L): each row up to its first stop token, then ``pad``; L is the longest row."""
+def stop_lengths(rows: Sequence[torch.Tensor], stops: torch.Tensor) -> list[int]:
+    """Generated tokens of each row up to and including its first stop token."""
     lengths = []
     for row in rows:
         hits = torch.isin(row, stops).nonzero()
         lengths.append(int(hits[0]) + 1 if len(hits) else len(row))
+    return lengths
+
+
+def _pad_after_stop(rows: list[torch.Tensor], stops: torch.Tensor, pad: int) -> torch.Tensor:
+    """(B, L): each row up to its first stop token, then ``pad``; L is the longest row."""
+    lengths = stop_lengths(rows, stops)
     out = torch.full((len(rows), max(lengths, default=0)), pad, dtype=torch.long)
     for i, (row, length) in enumerate(zip(rows, lengths, strict=True)):
         out[i, :length] = row[:length]

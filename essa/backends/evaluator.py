@@ -87,6 +87,11 @@ class PopulationEvaluator:
         self.nonfinite = np.zeros(0, dtype=bool)  # (P,) of the last call: non-finite logits
         self._flags: list[bool] = []  # per candidate of the current call, in order
         self._progress: RowProgress | None = None  # of the current call: rows done
+        self._row_seeds: list[int] | None = None  # of the current call: CRN streams per prompt
+        # Set by a recipe whose reward needs them (self_confidence): the generated tokens'
+        # log-probs of the last call, last_logprobs[candidate][item][token].
+        self.record_logprobs = False
+        self.last_logprobs: list[list[list[float]]] = []
         # Prompt -> token ids: every prompt is tokenised once per run, not every generation.
         self._token_ids: dict[str, list[int]] = {}
         dtypes = {model.get_submodule(name).weight.dtype for name in adapter.module_names}
@@ -112,17 +117,49 @@ class PopulationEvaluator:
         prompts: Sequence[str],
         seed: int | None = None,
         progress: RowProgress | None = None,
+        samples: int = 1,
     ) -> list[list[str]]:
-        """Return completions[candidate][prompt] for population (P, D).
+        """Return completions[candidate][item] for population (P, D), item ``i * samples + j``
+        being sample j of prompt i.
 
-        Afterwards ``nonfinite`` (P,) marks the candidates whose logits were NaN/inf.
-        ``progress(rows)`` is called after each micro-batch of generated rows.
+        With sampling (``generation.temperature > 0``) and a ``seed``, sample j of prompt i
+        draws from the stream ``row_seed(seed, i, j)`` for every candidate (common random
+        numbers, essa.backends.sampling): identical candidates get identical samples wherever
+        they sit in the population. Afterwards ``nonfinite`` (P,) marks the candidates whose
+        logits were NaN/inf, and with ``record_logprobs`` ``last_logprobs`` holds the
+        generated tokens' log-probs. ``progress(rows)`` is called after each micro-batch.
         """
+        from essa.backends.sampling import row_seed
+
+        expanded = [p for p in prompts for _ in range(samples)]  # prompt-major
+        self._row_seeds = None
+        if seed is not None and self.gen.temperature > 0:
+            self._row_seeds = [
+                row_seed(seed, i, j) for i in range(len(prompts)) for j in range(samples)
+            ]
         self._progress = progress
+        self.last_logprobs = []
         try:
-            return self._completions(np.atleast_2d(population), prompts, seed)
+            return self._completions(np.atleast_2d(population), expanded, seed)
         finally:
             self._progress = None
+
+    def reference_logprobs(
+        self, population: Population, prompts: Sequence[str], continuations: Sequence[str]
+    ) -> list[list[list[float]]]:
+        """Teacher-forced token log-probs of ``continuations[i]`` after ``prompts[i]`` under
+        each candidate: [candidate][item][token] (batched rows, essa.backends.teacher)."""
+        from essa.backends.teacher import population_token_logprobs
+
+        return population_token_logprobs(
+            self.model,
+            self.tokenizer,
+            self.adapter,
+            np.atleast_2d(population),
+            prompts,
+            continuations,
+            micro_batch_size=self.micro_batch_size,
+        )
 
     def _completions(
         self, population: Population, prompts: Sequence[str], seed: int | None
@@ -196,6 +233,7 @@ class PopulationEvaluator:
             progress, self._progress = self._progress, None
             self._retrying("batched", population[:1], prompts[:1], seed)
             self._retrying("merged", population[:1], prompts[:1], seed)
+            self.last_logprobs = []  # the warm-up rows are not part of the answer
             self._progress = progress
             self._probe_costs[n] = {"batched": 0.0, "merged": 0.0, "probes": 0.0}
         costs = self._probe_costs[n]
@@ -235,6 +273,8 @@ class PopulationEvaluator:
         rows = [p for _ in range(len(population)) for p in prompts]  # candidate-major
         token_ids = self.token_ids(prompts) * len(population)  # (P * n) lists, shared
         guard = self._guard(len(rows))
+        seeds = None if self._row_seeds is None else self._row_seeds * len(population)
+        logprobs: list[list[float]] | None = [] if self.record_logprobs else None
         with PopulationLoRA(self.model, self.adapter) as pop:
             pop.set_population(population)
             texts, tokens = generate_texts(
@@ -250,7 +290,11 @@ class PopulationEvaluator:
                 guard=guard,
                 progress=self._progress,
                 token_ids=token_ids,
+                row_seeds=seeds,
+                logprobs=logprobs,
             )
+        if logprobs is not None:
+            self.last_logprobs.extend(logprobs[c * n : (c + 1) * n] for c in range(len(population)))
         flags = guard.rows.view(len(population), n).any(dim=1).tolist()  # (P,)
         return [texts[c * n : (c + 1) * n] for c in range(len(population))], tokens, flags
 
@@ -263,6 +307,7 @@ class PopulationEvaluator:
         token_ids = self.token_ids(prompts)
         for vector in population:
             guard = self._guard(len(prompts))
+            logprobs: list[list[float]] | None = [] if self.record_logprobs else None
             with merged_candidate(self.model, self.adapter, vector):
                 texts, new = generate_texts(
                     self.model,
@@ -275,7 +320,11 @@ class PopulationEvaluator:
                     guard=guard,
                     progress=self._progress,
                     token_ids=token_ids,
+                    row_seeds=self._row_seeds,
+                    logprobs=logprobs,
                 )
+            if logprobs is not None:
+                self.last_logprobs.append(logprobs)
             out.append(texts)
             flags.append(bool(guard.rows.any()))
             tokens += new

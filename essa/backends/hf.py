@@ -22,7 +22,13 @@ from typing import Any
 
 import torch
 
-from essa.backends.decode import NonFiniteGuard, decode_rows, supports_row_dropping
+from essa.backends.decode import (
+    NonFiniteGuard,
+    decode_rows,
+    stop_lengths,
+    supports_row_dropping,
+)
+from essa.backends.sampling import RowPicker
 from essa.backends.stops import stop_token_ids
 from essa.config import GenerationConfig, ModelConfig
 from essa.errors import UserError
@@ -281,6 +287,8 @@ def generate_texts(
     guard: NonFiniteGuard | None = None,
     progress: Callable[[int], None] | None = None,
     token_ids: Sequence[Sequence[int]] | None = None,
+    row_seeds: Sequence[int] | None = None,
+    logprobs: list[list[float]] | None = None,
 ) -> tuple[list[str], int]:
     """Generate one completion per prompt, in micro-batches of rows.
 
@@ -300,6 +308,11 @@ def generate_texts(
     full-attention ``DynamicCache``; otherwise every row is encoded whole.
     With ``guard``, rows whose logits turn non-finite are flagged in ``guard.rows`` and stopped.
     ``progress(rows)`` is called after each micro-batch. Returns (completions, new_tokens).
+
+    ``row_seeds`` (N,) make sampling use common random numbers (essa.backends.sampling): row i
+    draws from its own stream ``row_seeds[i]``, so rows with equal seeds and equal models draw
+    equal samples whatever their position or batch. With ``logprobs`` (an empty list), the
+    generated tokens' log-probs are appended to it, one list per row (stop token included).
     """
     if not prompts:
         return [], 0
@@ -307,7 +320,8 @@ def generate_texts(
     if row_candidates is None:
         row_candidates = torch.zeros(len(prompts), dtype=torch.long)
     row_candidates = torch.as_tensor(row_candidates, dtype=torch.long).cpu()  # (N,)
-    if seed is not None and gen.temperature > 0:
+    crn = row_seeds is not None and gen.temperature > 0
+    if seed is not None and gen.temperature > 0 and not crn:
         torch.manual_seed(seed)  # sampling draws from the global torch RNG, as in HF generate
     encoded = (
         list(token_ids)
@@ -315,7 +329,10 @@ def generate_texts(
         else tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
     )
     stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
-    kwargs = _generate_kwargs(gen, tokenizer, stops)
+    # A picker samples or records log-probs itself: the processors must then stay greedy.
+    picking = crn or logprobs is not None
+    kwargs = _generate_kwargs(_greedy(gen) if crn else gen, tokenizer, stops)
+    seeds = None if row_seeds is None else torch.as_tensor(list(row_seeds), dtype=torch.long)
     prefix_len = shared_prefix_length(encoded) if use_prefix_cache else 0
     prefix: PrefixStates | None = None
     if prefix_len >= MIN_PREFIX_TOKENS and has_plain_dynamic_cache(model):
@@ -336,13 +353,28 @@ def generate_texts(
             encoded[start:stop], prefix_len, tokenizer.pad_token_id, device
         )  # (B, T) each
         cache = None if prefix is None else prefix.expand(model, rows)
+        picker = None
+        if picking:
+            picker = RowPicker(
+                stop - start,
+                gen.max_new_tokens,
+                temperature=gen.temperature if crn else 0.0,
+                top_p=gen.top_p,
+                seeds=None if seeds is None else seeds[start:stop],
+                record_logprobs=logprobs is not None,
+                device=device,
+            )
         if drop_rows:
             new = decode_rows(
                 model, input_ids, attention_mask, kwargs, cache=cache, rows=rows,
-                set_rows=set_rows, guard=guard, guard_offset=start,
+                set_rows=set_rows, guard=guard, guard_offset=start, picker=picker,
             )  # fmt: skip
         else:
-            new = _generate(model, input_ids, attention_mask, kwargs, cache, guard, start, stop)
+            new = _generate(
+                model, input_ids, attention_mask, kwargs, cache, guard, start, stop, picker
+            )
+        if picker is not None and logprobs is not None:
+            logprobs.extend(picker.row_logprobs(stop_lengths(list(new), torch.tensor(stops))))
         new_tokens += int((new != tokenizer.pad_token_id).sum())
         completions.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
         if progress is not None:
@@ -359,15 +391,42 @@ def _generate(
     guard: NonFiniteGuard | None,
     start: int,
     stop: int,
+    picker: RowPicker | None = None,
 ) -> torch.Tensor:
     """HF ``generate`` for models the row-dropping loop does not cover; new tokens (B, T_new)."""
-    extra = {} if guard is None else {"logits_processor": guard.processors(start, stop)}
+    from transformers import LogitsProcessorList
+
+    processors = LogitsProcessorList() if guard is None else guard.processors(start, stop)
+    if picker is not None:
+        processors.append(_PickerProcessor(picker, input_ids.shape[1]))
+    extra: dict[str, Any] = {"logits_processor": processors} if processors else {}
     if cache is not None:
         extra[_cache_argument(model)] = cache
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **extra, **kwargs)
     if guard is not None:
         guard.flush()
     return out[:, input_ids.shape[1] :].cpu()
+
+
+class _PickerProcessor:
+    """For ``generate``: the picker's token becomes the only choice of greedy decoding."""
+
+    def __init__(self, picker: RowPicker, prompt_width: int) -> None:
+        self.picker = picker
+        self.prompt_width = prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.prompt_width
+        origin = torch.arange(scores.shape[0])
+        tokens = self.picker.pick(scores, scores, origin, step)  # (B,)
+        only = torch.full_like(scores, float("-inf"))
+        return only.scatter_(1, tokens[:, None].to(scores.device), 0.0)
+
+
+def _greedy(gen: GenerationConfig) -> GenerationConfig:
+    from dataclasses import replace
+
+    return replace(gen, temperature=0.0)
 
 
 def shared_prefix_length(sequences: Sequence[Sequence[int]]) -> int:

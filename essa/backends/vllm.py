@@ -163,6 +163,7 @@ class VLLMEvaluator:
         # vLLM stops at the tokenizer's EOS; the model's own end-of-turn ids are added here.
         self.stop_ids = stop_token_ids(tokenizer, model_generation_config(model_path))
         self._calls = 0
+        self._row_seeds: list[int] = []  # of the current call: one stream per (prompt, sample)
 
     def completions(
         self,
@@ -170,13 +171,24 @@ class VLLMEvaluator:
         prompts: Sequence[str],
         seed: int | None = None,
         progress: RowProgress | None = None,
+        samples: int = 1,
     ) -> list[list[str]]:
-        """Return completions[candidate][prompt] for population (P, D)."""
+        """Return completions[candidate][item] for population (P, D), item ``i * samples + j``
+        being sample j of prompt i; sampled rows are seeded by ``row_seed(seed, i, j)``, the
+        same for every candidate and chunk (common random numbers, essa.backends.sampling)."""
+        from essa.backends.sampling import row_seed
+
         population = np.atleast_2d(population)
+        expanded = [p for p in prompts for _ in range(samples)]  # prompt-major
+        base = 0 if seed is None else seed
+        self._row_seeds = [
+            row_seed(base, i, j) & 0x7FFFFFFF for i in range(len(prompts)) for j in range(samples)
+        ]  # vLLM seeds are non-negative ints
         out: list[list[str]] = []
         self.last_logprobs = []
         for start in range(0, len(population), self.slots):  # more candidates than slots
-            texts, logprobs = self._chunk(population[start : start + self.slots], prompts, seed)
+            chunk = population[start : start + self.slots]
+            texts, logprobs = self._chunk(chunk, expanded, seed)
             out.extend(texts)
             self.last_logprobs.extend(logprobs)
             if progress is not None:
@@ -197,7 +209,7 @@ class VLLMEvaluator:
         ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
         n = len(prompts)
         rows = [TokensPrompt(prompt_token_ids=i) for _ in requests for i in ids]  # (P * n)
-        params = self._sampling_params(len(rows), seed)
+        params = self._sampling_params(len(requests))
         results = self.engine.generate(
             rows,
             params,
@@ -233,7 +245,7 @@ class VLLMEvaluator:
         self.load_seconds += time.perf_counter() - start
         return requests
 
-    def _sampling_params(self, rows: int, seed: int | None) -> Any:
+    def _sampling_params(self, candidates: int) -> Any:
         from vllm import SamplingParams
 
         gen = self.cfg.generation
@@ -245,10 +257,10 @@ class VLLMEvaluator:
         }
         if gen.temperature <= 0:
             return SamplingParams(temperature=0.0, **common)
-        base = 0 if seed is None else seed
-        return [
-            SamplingParams(temperature=gen.temperature, top_p=gen.top_p, seed=base + i, **common)
-            for i in range(rows)
+        return [  # candidate-major rows; row (c, i, j) draws from stream (i, j) for every c
+            SamplingParams(temperature=gen.temperature, top_p=gen.top_p, seed=s, **common)
+            for _ in range(candidates)
+            for s in self._row_seeds
         ]
 
     def close(self) -> None:

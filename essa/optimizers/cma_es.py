@@ -20,7 +20,9 @@ Where this departs from the paper or from plain pycma use:
 - Relative steps: ``stds`` become pycma's ``CMA_stds``, so the initial step of coordinate i is
   ``sigma0 * stds[i]`` (the SFT singular values in ESSA).
 - pycma's defaults are kept otherwise: active covariance update (negative weights), TPA step-size
-  adaptation instead of CSA for D >= 300, mirrored sampling only when popsize < 6.
+  adaptation instead of CSA for D >= 300, mirrored sampling only when popsize < 6; with
+  ``mirrored=True`` every candidate pair is antithetic (``CMA_mirrors = popsize / 2``,
+  unconditional mirroring, ``CMA_mirrormethod = 0``), as OpenAI-ES samples always are.
 - No termination: every stopping criterion is disabled and ``stop()`` is never called (it would
   read a signals file from the working directory). The caller drives the loop by budget.
 - Randomness: one dedicated ``np.random.Generator`` seeded from ``SeedSequence(seed)`` is passed as
@@ -145,8 +147,11 @@ class CMAES(BestSoFar):
         variant: Variant = "auto",  # full covariance, sep-CMA, or chosen by sep_above_dim
         sep_above_dim: int = 2000,  # auto switches to sep-CMA when dim > this
         enable_raise_on_all_failed: bool = False,  # raise instead of skipping all-NaN generations
+        mirrored: bool = False,  # antithetic pairs m +- sigma z (pycma CMA_mirrors, method 0)
     ) -> None:
         check_common_args(dim, population_size, sigma0, seed)
+        if mirrored and population_size % 2:
+            raise ValueError(f"mirrored sampling needs an even population, got {population_size}")
         self._dim = dim
         self._population_size = population_size
         self._x0 = np.zeros(dim) if x0 is None else as_vector(x0, dim, "x0")
@@ -163,6 +168,8 @@ class CMAES(BestSoFar):
             "x0": self._x0.tolist(),
             "stds": None if self._stds is None else self._stds.tolist(),
         }
+        if mirrored:  # only when on, so that checkpoints written before the option still load
+            self._config["mirrored"] = True
         self._reset()
 
     def _reset(self) -> None:
@@ -197,6 +204,10 @@ class CMAES(BestSoFar):
         }
         if self._stds is not None:
             options["CMA_stds"] = self._stds.copy()
+        if self._config.get("mirrored"):
+            # Every other candidate is the mirror image of the one before it, 2m - x: the pair
+            # shares its noise, so their fitness difference measures the direction, not luck.
+            options.update(CMA_mirrors=self._population_size // 2, CMA_mirrormethod=0)
         with _global_numpy_rng_preserved():
             return cma.CMAEvolutionStrategy(self._x0.copy(), self._config["sigma0"], options)
 

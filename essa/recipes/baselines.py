@@ -42,8 +42,13 @@ def scale_baseline(
     seed: int,
     heldout: Callable[[AdapterVector], float],
     progress: RowProgress | None = None,
+    samples: int = 1,
 ) -> dict[str, float] | None:
-    """Score SCALE_FACTORS on up to SCALE_PROMPTS training prompts; the best one's held-out."""
+    """Score SCALE_FACTORS on up to SCALE_PROMPTS training prompts; the best one's held-out.
+
+    Every rank scores all factors itself, so a population-pool vote is local (LocalComm).
+    """
+    from essa.dist import LocalComm
     from essa.recipes.fitness import scores
 
     rng = np.random.default_rng(np.random.SeedSequence([seed, 3]))
@@ -51,8 +56,18 @@ def scale_baseline(
     batch = [prompts[i] for i in idx]
     answers = [train[i].answer for i in idx]
     population = np.stack([scale_vector(adapter, f) for f in SCALE_FACTORS])  # (8, D)
-    texts = evaluator.completions(population, batch, progress=progress)
-    fitness = [fitness_from_rewards(s) for s in scores(reward, evaluator, texts, answers, batch)]
+    texts = evaluator.completions(population, batch, seed=seed, progress=progress, samples=samples)
+    graded, _ = scores(
+        reward,
+        evaluator,
+        texts,
+        answers,
+        batch,
+        population=population,
+        samples=samples,
+        comm=LocalComm(),
+    )
+    fitness = [fitness_from_rewards(s) for s in graded]
     if np.all(np.isnan(fitness)):  # the reward failed everywhere: no baseline to report
         return None
     best = int(np.nanargmax(fitness))

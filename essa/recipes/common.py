@@ -196,7 +196,7 @@ def make_es_optimizer(cfg: Config, adapter: SVDAdapter) -> Optimizer:
 
     o = cfg.optimizer
     options: dict[str, Any] = (
-        {"variant": o.variant, "sep_above_dim": o.sep_above_dim}
+        {"variant": o.variant, "sep_above_dim": o.sep_above_dim, "mirrored": o.mirrored}
         if o.name == "cma_es"
         else {"lr": o.lr, "step": o.step}
     )

@@ -35,11 +35,11 @@ from essa.recipes.fitness import (
     fault_delta,
     generation_record,
     heldout_texts,
-    minibatch,
-    scores,
+    shard_fitness,
     track_best,
 )
 from essa.rewards.base import Reward
+from essa.rewards.logprob import COMPLETION_LOGPROBS
 from essa.types import AdapterVector, Example, Fitness, Population
 
 if TYPE_CHECKING:
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from essa.recipes.common import Task
 
 Heldout = Callable[..., float]  # (vector, name=..., generation=..., final=...) -> score
-_LOGPROBS = frozenset({"completion_logprobs"})
 
 
 def run(
@@ -67,14 +66,14 @@ def run(
     from essa.backends.memory import memory_metrics, model_bytes
     from essa.dist import get_comm
     from essa.recipes import common
-    from essa.rewards.loading import load_reward
+    from essa.rewards.loading import es_reward_inputs, load_reward
 
     h = Harness(cfg, run_dir, resume=resume, console=console, comm=comm or get_comm())
     common.seed_everything(cfg.run.seed)
     task = common.load_task(cfg.data, cfg.run.seed)
     h.check_heldout(task.test)  # before the model loads
-    vllm = cfg.backend == "vllm"  # it returns the sampled tokens' log-probs too
-    reward = load_reward(cfg.reward, recipe="ESSA", provides=_LOGPROBS if vllm else frozenset())
+    vllm = cfg.backend == "vllm"  # it returns the sampled tokens' log-probs, not the reference's
+    reward = load_reward(cfg.reward, recipe="ESSA", **es_reward_inputs(cfg))
     with h:  # the trackers close whatever happens
         model, tokenizer = common.load_base_model(cfg, h)
         base_bytes = model_bytes(model)  # the base weights as stored (quantised ones packed)
@@ -83,6 +82,7 @@ def run(
         base = None if vllm else peft_model.unload()  # the engine loads its own copy of the base
         del model, peft_model
         evaluator = population_evaluator(cfg, base, tokenizer, adapter, h.comm.world_size)
+        evaluator.record_logprobs = COMPLETION_LOGPROBS in reward.needs  # type: ignore[attr-defined]
         train_prompts, test_prompts = common.render_splits(task, cfg.data, tokenizer)
         heldout = functools.partial(_heldout, h, evaluator, task.test, test_prompts)
         opt = common.make_es_optimizer(cfg, adapter)
@@ -147,7 +147,9 @@ def _generation(
     bytes_before, tokens_before = comm.comm_bytes, evaluator.stats.new_tokens
     faults_before = fault_counts(reward, evaluator)
     population = opt.ask()  # (P, D), identical on every rank
-    fitness = _fitness(cfg, g, population, evaluator, problems, prompts, reward, comm, rows)
+    fitness, pool = shard_fitness(
+        cfg, g, population, evaluator, problems, prompts, reward, comm, rows
+    )
     faults = fault_delta(faults_before, fault_counts(reward, evaluator))
     check_generation(g, fitness, faults, reward.name)
     opt_metrics = opt.tell(population, fitness)
@@ -157,39 +159,8 @@ def _generation(
     record = generation_record(g, fitness, opt_metrics, seconds, tokens, evaluator)
     record.update(world_size=comm.world_size, comm_bytes=comm.comm_bytes - bytes_before)
     record.update(faults)
+    record.update(pool)  # majority_share, answered_share under pool: population
     return record, population, fitness
-
-
-def _fitness(
-    cfg: Config,
-    g: int,
-    population: Population,
-    evaluator: Evaluator,
-    train: list[Example],
-    train_prompts: list[str],
-    reward: Reward,
-    comm: Comm,
-    rows: Callable[[int], Phase] | None = None,
-) -> Fitness:
-    """Evaluate this rank's shard on generation g's shared prompts; all-gather the fitness."""
-    from essa.dist import shard
-    from essa.rewards import fitness_from_rewards
-
-    idx = minibatch(len(train), cfg.data.batch_size, cfg.run.seed, g)
-    prompts = [train_prompts[i] for i in idx]
-    answers = [train[i].answer for i in idx]
-    mine = population[shard(len(population), comm.rank, comm.world_size)]
-    seed = cfg.run.seed * 100_003 + g
-    if rows is None:
-        texts = evaluator.completions(mine, prompts, seed=seed)
-    else:
-        with rows(len(mine) * len(prompts)) as bar:
-            texts = evaluator.completions(mine, prompts, seed=seed, progress=bar.advance)
-    graded = scores(reward, evaluator, texts, answers, prompts)
-    local = np.array([fitness_from_rewards(s) for s in graded])
-    local[evaluator.nonfinite] = np.nan  # NaN/inf logits: graded text would be garbage
-    local[~np.isfinite(local)] = np.nan  # +-inf fitness is a failed evaluation too
-    return comm.allgather_fitness(local)  # (P,) float64: the only data crossing ranks
 
 
 def _initial_state(
@@ -222,6 +193,7 @@ def _initial_state(
                 cfg.run.seed,
                 lambda x: heldout(x, "scale baseline held-out"),
                 progress=bar.advance,
+                samples=cfg.generation.samples_per_prompt,
             )
     return state
 

@@ -5,15 +5,22 @@ numpy only: the evaluator (an :class:`essa.protocols.Evaluator`) does the genera
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from essa.config import Config
+from essa.dist import Comm
 from essa.errors import UserError
-from essa.protocols import Evaluator, LogprobEvaluator, RowProgress
+from essa.protocols import Evaluator, LogprobEvaluator, ReferenceScorer, RowProgress
 from essa.rewards.base import Reward
-from essa.rewards.logprob import LogprobReward
-from essa.types import AdapterVector, Fitness, Population
+from essa.rewards.fitness import KeyGather, candidate_scores
+from essa.rewards.logprob import COMPLETION_LOGPROBS, REFERENCE_LOGPROBS
+from essa.types import AdapterVector, Example, Fitness, Population
+
+if TYPE_CHECKING:
+    from essa.harness import Phase
 
 
 def minibatch(n: int, size: int, seed: int, generation: int) -> np.ndarray:
@@ -28,16 +35,35 @@ def scores(
     texts: list[list[str]],
     answers: list[str | None],
     prompts: list[str],
-) -> list[list[float | None]]:
-    """Per candidate, the reward of each completion; log-prob rewards take the backend's."""
-    if not reward.needs:
-        return [reward(t, answers, prompts) for t in texts]
-    # load_reward admits log-prob rewards only on a backend that returns the log-probs.
-    assert isinstance(reward, LogprobReward) and isinstance(evaluator, LogprobEvaluator)
-    return [
-        reward.score_with_logprobs(t, answers, prompts, logprobs)
-        for t, logprobs in zip(texts, evaluator.last_logprobs, strict=True)
-    ]
+    *,
+    population: Population | None = None,
+    samples: int = 1,
+    comm: KeyGather | None = None,
+) -> tuple[list[list[float | None]], dict[str, float]]:
+    """Per candidate, the reward of each of its ``len(prompts) * samples`` completions, and the
+    population pool's metrics (essa.rewards.fitness). Log-prob rewards take the backend's:
+    the generated tokens' (``last_logprobs``) or the reference's, teacher-forced under each
+    candidate of ``population`` (this rank's shard)."""
+    logprobs = None
+    if COMPLETION_LOGPROBS in reward.needs:
+        # load_reward admits log-prob rewards only on a backend that returns the log-probs.
+        assert isinstance(evaluator, LogprobEvaluator)
+        logprobs = evaluator.last_logprobs
+    elif REFERENCE_LOGPROBS in reward.needs:
+        assert isinstance(evaluator, ReferenceScorer) and population is not None
+        refs = [a or "" for a in answers for _ in range(samples)]
+        logprobs = evaluator.reference_logprobs(
+            population, [p for p in prompts for _ in range(samples)], refs
+        )
+    return candidate_scores(
+        reward,
+        texts,
+        answers,
+        prompts,
+        samples_per_prompt=samples,
+        logprobs=logprobs,
+        comm=comm,
+    )
 
 
 def fault_counts(reward: Reward, evaluator: Evaluator) -> dict[str, int]:
@@ -124,4 +150,40 @@ def heldout_texts(
 ) -> list[str]:
     """Greedy completions of one candidate on the held-out prompts (scored by the harness)."""
     (texts,) = evaluator.completions(np.asarray(vector)[None, :], prompts, progress=progress)
-    return list(texts)
+    return texts
+
+
+def shard_fitness(
+    cfg: Config,
+    g: int,
+    population: Population,
+    evaluator: Evaluator,
+    train: list[Example],
+    train_prompts: list[str],
+    reward: Reward,
+    comm: Comm,
+    rows: Callable[[int], Phase] | None = None,
+) -> tuple[Fitness, dict[str, float]]:
+    """Evaluate this rank's shard on generation g's shared prompts; all-gather the fitness."""
+    from essa.dist import shard
+    from essa.rewards import fitness_from_rewards
+
+    idx = minibatch(len(train), cfg.data.batch_size, cfg.run.seed, g)
+    prompts = [train_prompts[i] for i in idx]
+    answers = [train[i].answer for i in idx]
+    mine = population[shard(len(population), comm.rank, comm.world_size)]
+    seed = cfg.run.seed * 100_003 + g
+    k = cfg.generation.samples_per_prompt
+    if rows is None:
+        texts = evaluator.completions(mine, prompts, seed=seed, samples=k)
+    else:
+        with rows(len(mine) * len(prompts) * k) as bar:
+            texts = evaluator.completions(mine, prompts, seed, bar.advance, samples=k)
+    graded, pool = scores(
+        reward, evaluator, texts, answers, prompts, population=mine, samples=k, comm=comm
+    )
+    local = np.array([fitness_from_rewards(s) for s in graded])
+    local[evaluator.nonfinite] = np.nan  # NaN/inf logits: graded text would be garbage
+    local[~np.isfinite(local)] = np.nan  # +-inf fitness is a failed evaluation too
+    # (P,) float64: with the pool's 8-byte answer keys, the only data crossing ranks
+    return comm.allgather_fitness(local), pool

@@ -25,7 +25,13 @@ from typing import Protocol
 import numpy as np
 
 from essa.rewards.base import Reward, fitness_from_rewards
-from essa.rewards.pool import agreement_rewards, answer_keys, majority_share, population_majority
+from essa.rewards.pool import (
+    agreement_rewards,
+    answer_key,
+    answer_keys,
+    majority_share,
+    population_majority,
+)
 
 
 class KeyGather(Protocol):
@@ -63,7 +69,7 @@ def candidate_scores(
     if reward.pool == "population":
         if comm is None:
             raise ValueError("pool: population needs the communicator (the vote spans ranks)")
-        return _population_pool(texts, len(prompts), k, comm)
+        return _population_pool(texts, answers, k, comm)
     if reward.needs:
         if logprobs is None:
             raise ValueError(f"reward {reward.name!r} needs log-probs from the backend")
@@ -76,8 +82,9 @@ def candidate_scores(
 
 
 def _population_pool(
-    texts: Sequence[Sequence[str]], num_prompts: int, k: int, comm: KeyGather
+    texts: Sequence[Sequence[str]], answers: Sequence[str | None], k: int, comm: KeyGather
 ) -> tuple[list[list[float | None]], dict[str, float]]:
+    num_prompts = len(answers)
     groups = sample_groups(num_prompts, k)
     local = answer_keys(texts).reshape(len(texts), num_prompts * k)  # (p, N * k)
     keys = comm.allgather_keys(local)  # (P, N * k): 8 bytes per answer cross ranks
@@ -87,6 +94,12 @@ def _population_pool(
         "majority_share": majority_share(keys, majority, groups),
         "answered_share": float((keys != 0).mean()) if keys.size else float("nan"),
     }
+    # Diagnostic only (never in the fitness): how often the vote is right, where labels exist.
+    # A share that falls while majority_share rises is the pool locking in a wrong consensus.
+    labelled = [g for g, a in enumerate(answers) if a is not None]
+    if labelled:
+        gold = [answer_key(str(answers[g])) for g in labelled]
+        metrics["majority_correct_share"] = float(np.mean(majority[labelled] == gold))
     return [list(map(float, row)) for row in rewards], metrics
 
 

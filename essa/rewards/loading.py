@@ -7,9 +7,12 @@ model loads. Custom (module:function) rewards get ``reward.timeout_seconds`` as 
 
 from __future__ import annotations
 
-from essa.config import RewardConfig
+from typing import Any
+
+from essa.config import Config, RewardConfig
 from essa.errors import UserError
 from essa.rewards.base import Reward
+from essa.rewards.logprob import COMPLETION_LOGPROBS, REFERENCE_LOGPROBS
 
 
 def load_reward(
@@ -19,6 +22,7 @@ def load_reward(
     groups: bool = False,
     provides: frozenset[str] = frozenset(),
     deadline: bool = True,
+    group_hint: str = " yet",
 ) -> Reward:
     """``cfg``'s reward; UserError when unknown or when ``recipe`` cannot feed it."""
     from essa.rewards import get_reward
@@ -34,6 +38,24 @@ def load_reward(
     if missing_group or not reward.needs <= provides:
         needs = "a group of completions per prompt" if missing_group else sorted(reward.needs)
         raise UserError(
-            f"reward.name: {cfg.name} needs {needs}, which the {recipe} recipe does not provide yet"
+            f"reward.name: {cfg.name} needs {needs}, which the {recipe} recipe does not provide"
+            f"{group_hint if missing_group else ' on this backend'}"
         )
     return reward
+
+
+def es_reward_inputs(cfg: Config) -> dict[str, Any]:
+    """What ESSA can feed a reward: groups (k samples, or the population as the vote pool) and
+    log-probs (generated tokens' on both backends, the reference's teacher-forced on HF)."""
+    k = cfg.generation.samples_per_prompt
+    pooled = cfg.reward.params.get("pool") == "population"
+    logprobs = {COMPLETION_LOGPROBS} | (set() if cfg.backend == "vllm" else {REFERENCE_LOGPROBS})
+    return {
+        "groups": k > 1 or pooled,
+        "provides": frozenset(logprobs),
+        "group_hint": (
+            ": set generation.samples_per_prompt >= 2 (with temperature > 0) for a vote among "
+            "a candidate's samples, or reward.params.pool: population (majority_vote) for a "
+            "vote among the candidates"
+        ),
+    }

@@ -1,0 +1,178 @@
+"""Label-free ESSA on the embedded demo: TTRL's vote over the population and RLSC, 3 seeds.
+
+    python -m bench.label_free [--seeds 0 1 2] [--settings labelled pool rlsc] [--set k=v ...]
+
+Each setting runs `essa train` on the embedded demo (its SFT adapter, CMA-ES, 150 generations)
+once per seed in a fresh process, with only the reward changed:
+
+* ``labelled``: ``math_accuracy`` against the reference answers (the demo as shipped);
+* ``pool``: ``majority_vote`` with ``pool: population``: each candidate is rewarded for
+  agreeing with the majority answer of all 16 candidates on each prompt; no labels are used;
+* ``rlsc``: ``self_confidence`` (RLSC): the length-normalised probability of the candidate's
+  own greedy completion; no labels are used.
+
+Held-out accuracy is always measured with the true answers (``evaluation.metric`` defaults to
+``math_accuracy`` for label-free rewards), on the demo's fixed 1000 held-out pairs. The gain of
+each run over its SFT adapter is tested paired, item by item: both adapters are re-evaluated
+with ``essa eval --output`` and the standard error of the mean per-item difference is reported
+(per seed, and for the mean over seeds). The pool's ``majority_correct_share`` (how often the
+population's vote equals the true answer; logged as a diagnostic, never used by the reward)
+shows whether the vote locks in a wrong consensus. Writes bench/results/label_free.json and
+bench/results/label_free.png (held-out accuracy per generation, each setting beside the
+labelled run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.common import write_result
+from bench.demo import run_seed
+
+RESULTS = Path("bench/results")
+SETTINGS: dict[str, list[str]] = {
+    "labelled": [],
+    "pool": ["reward.name=majority_vote", "reward.params.pool=population"],
+    "rlsc": ["reward.name=self_confidence"],
+}
+COMMON = ["evaluation.use_scale_baseline=false"]  # the no-search baseline needs labels to mean much
+
+
+def paired(run_dir: Path) -> dict[str, float]:
+    """Per-item held-out scores of the SFT adapter and the final adapter: mean gain and its SE."""
+    scores = {}
+    for name in ("sft_adapter", "adapter"):
+        out = run_dir / f"eval-{name}.json"
+        cmd = [sys.executable, "-m", "essa.cli", "eval", str(run_dir / "config.yaml"),
+               "--adapter", str(run_dir / name), "--output", str(out)]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SystemExit(f"essa eval failed:\n{res.stderr[-2000:]}")
+        items = (run_dir / f"eval-{name}.items.jsonl").read_text().splitlines()
+        scores[name] = [float(json.loads(line)["reward"] or 0.0) for line in items]
+    diff = [a - b for a, b in zip(scores["adapter"], scores["sft_adapter"], strict=True)]
+    n = len(diff)
+    return {
+        "sft": statistics.mean(scores["sft_adapter"]),
+        "final": statistics.mean(scores["adapter"]),
+        "gain": statistics.mean(diff),
+        "se": statistics.stdev(diff) / math.sqrt(n) if n > 1 else float("nan"),
+        "n": n,
+    }
+
+
+def pool_trace(run_dir: Path) -> list[tuple[int, float, float]]:
+    """(generation, majority_share, majority_correct_share) of a pool run."""
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "majority_share" in record:
+            out.append(
+                (record["generation"], record["majority_share"], record["majority_correct_share"])
+            )
+    return out
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, float]:
+    gains = [r["paired"]["gain"] for r in runs]
+    se = math.sqrt(sum(r["paired"]["se"] ** 2 for r in runs)) / len(runs)
+    return {
+        "sft": statistics.mean(r["paired"]["sft"] for r in runs),
+        "final": statistics.mean(r["paired"]["final"] for r in runs),
+        "gain": statistics.mean(gains),
+        "se": se,
+        "z": statistics.mean(gains) / se if se > 0 else float("nan"),
+        "per_seed_gain": gains,
+        "per_seed_z": [r["paired"]["gain"] / r["paired"]["se"] for r in runs],
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [
+        "| reward (labels used?) | SFT adapter | ESSA | gain (paired SE) | gain / SE | per seed |",
+        "|---|---|---|---|---|---|",
+    ]
+    names = {
+        "labelled": "math_accuracy (yes)",
+        "pool": "majority_vote, pool: population (no)",
+        "rlsc": "self_confidence, RLSC (no)",
+    }
+    for setting, s in result["summary"].items():
+        per_seed = ", ".join(f"{g:+.3f}" for g in s["per_seed_gain"])
+        lines.append(
+            f"| {names.get(setting, setting)} | {s['sft']:.3f} | {s['final']:.3f} | "
+            f"{s['gain']:+.3f} ({s['se']:.3f}) | {s['z']:.1f} | {per_seed} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for setting, runs in result["runs"].items():
+        for i, run in enumerate(runs):
+            xs, ys = zip(*run["curve"], strict=True) if run["curve"] else ((), ())
+            axes[0].plot(xs, ys, color=f"C{list(result['runs']).index(setting)}", alpha=0.8,
+                         label=setting if i == 0 else None)  # fmt: skip
+    axes[0].set_xlabel("generation")
+    axes[0].set_ylabel("held-out accuracy (true answers)")
+    axes[0].legend()
+    for i, run in enumerate(result["runs"].get("pool", [])):
+        trace = run["pool_trace"]
+        if trace:
+            g, share, correct = zip(*trace, strict=True)
+            axes[1].plot(
+                g, share, color="C1", alpha=0.6, label="majority share" if i == 0 else None
+            )
+            axes[1].plot(g, correct, color="C2", alpha=0.6,
+                         label="vote = true answer" if i == 0 else None)  # fmt: skip
+    axes[1].set_xlabel("generation")
+    axes[1].set_title("population pool: agreement vs correctness of the vote")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--root", default="runs/bench-label-free")
+    args = parser.parse_args()
+    root = Path(args.root)
+    result: dict[str, Any] = {"runs": {}, "summary": {}}
+    for setting in args.settings:
+        runs = []
+        for seed in args.seeds:
+            print(f"[label_free] {setting} seed {seed}: essa train ...", flush=True)
+            run = run_seed(seed, [*COMMON, *SETTINGS[setting], *args.overrides], root / setting)
+            run_dir = root / setting / f"seed{seed}"
+            run["paired"] = paired(run_dir)
+            run["pool_trace"] = pool_trace(run_dir)
+            p = run["paired"]
+            print(f"[label_free] {setting} seed {seed}: {p['sft']:.3f} -> {p['final']:.3f} "
+                  f"({p['gain']:+.3f}, SE {p['se']:.3f})", flush=True)  # fmt: skip
+            runs.append(run)
+        result["runs"][setting] = runs
+        result["summary"][setting] = summarise(runs)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    command = "python -m bench.label_free " + " ".join(sys.argv[1:])
+    write_result("label_free", result, command.strip())
+    plot(result, RESULTS / "label_free.png")
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
