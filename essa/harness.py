@@ -33,6 +33,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import numpy as np
+
 from essa.config import Config, dump_config, to_dict
 from essa.dist import Comm, any_rank
 from essa.errors import UserError
@@ -338,6 +340,33 @@ class Harness:
             self.trackers.log_samples(rows, step=generation if final else generation + 1)
             print_samples(self.reporter.console, rows, self._samples_title(generation, final))
         return mean
+
+    def score_shard(
+        self,
+        texts: Sequence[str],
+        examples: Sequence[Example],
+        prompts: Sequence[str],
+        part: slice,
+        generation: int | None = None,
+        *,
+        final: bool = False,
+    ) -> float:
+        """Every rank: score its ``part`` of the held-out items (``texts`` are its completions),
+        gather the per-item scores (8 bytes each), and return the mean over all items, summed
+        in item order as one rank would. Rank 0's items feed the samples."""
+        mine = (
+            [] if not texts else score_heldout(self.metric, texts, examples[part], prompts[part])[1]
+        )
+        scores = self.comm.allgather_fitness(np.asarray(mine, dtype=np.float64)).tolist()
+        if generation is not None and self.is_root and texts:
+            own = examples[part]
+            rows = sample_rows(
+                generation, [e.prompt for e in own], texts, [e.answer for e in own], mine
+            )
+            write_samples(self.samples, rows)
+            self.trackers.log_samples(rows, step=generation if final else generation + 1)
+            print_samples(self.reporter.console, rows, self._samples_title(generation, final))
+        return sum(scores) / len(scores) if scores else float("nan")
 
     def _samples_title(self, generation: int, final: bool) -> str:
         """The console's words, counted as the progress lines count (steps done)."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from essa.dist import Comm
 from essa.protocols import Evaluator, RowProgress
 from essa.rewards import fitness_from_rewards
 from essa.rewards.base import Reward
@@ -43,31 +44,35 @@ def scale_baseline(
     heldout: Callable[[AdapterVector], float],
     progress: RowProgress | None = None,
     samples: int = 1,
+    comm: Comm | None = None,
 ) -> dict[str, float] | None:
     """Score SCALE_FACTORS on up to SCALE_PROMPTS training prompts; the best one's held-out.
 
-    Every rank scores all factors itself, so a population-pool vote is local (LocalComm).
+    Under MPI the factors are sharded across ranks like a population (every rank busy); only
+    their fitness (and a population pool's answer keys) is gathered, so the choice is the
+    same for any rank count. Every rank must call it.
     """
-    from essa.dist import LocalComm
+    from essa.dist import LocalComm, shard
     from essa.recipes.fitness import scores
+
+    comm = comm or LocalComm()
 
     rng = np.random.default_rng(np.random.SeedSequence([seed, 3]))
     idx = rng.choice(len(train), size=min(SCALE_PROMPTS, len(train)), replace=False)
     batch = [prompts[i] for i in idx]
     answers = [train[i].answer for i in idx]
     population = np.stack([scale_vector(adapter, f) for f in SCALE_FACTORS])  # (8, D)
-    texts = evaluator.completions(population, batch, seed=seed, progress=progress, samples=samples)
-    graded, _ = scores(
-        reward,
-        evaluator,
-        texts,
-        answers,
-        batch,
-        population=population,
-        samples=samples,
-        comm=LocalComm(),
+    mine = population[shard(len(population), comm.rank, comm.world_size)]
+    texts = (
+        evaluator.completions(mine, batch, seed=seed, progress=progress, samples=samples)
+        if len(mine)
+        else []
     )
-    fitness = [fitness_from_rewards(s) for s in graded]
+    graded, _ = scores(
+        reward, evaluator, texts, answers, batch, population=mine, samples=samples, comm=comm
+    )
+    local = np.array([fitness_from_rewards(s) for s in graded], dtype=np.float64)
+    fitness = comm.allgather_fitness(local)  # (8,) in factor order
     if np.all(np.isnan(fitness)):  # the reward failed everywhere: no baseline to report
         return None
     best = int(np.nanargmax(fitness))
@@ -78,6 +83,9 @@ def scale_baseline(
     }
 
 
-def scale_rows(train: list[Example]) -> int:
-    """Rows (candidate x prompt completions) the scale baseline generates."""
-    return len(SCALE_FACTORS) * min(SCALE_PROMPTS, len(train))
+def scale_rows(train: list[Example], rank: int = 0, world_size: int = 1) -> int:
+    """Rows (candidate x prompt completions) the scale baseline generates on ``rank``."""
+    from essa.dist import shard
+
+    mine = shard(len(SCALE_FACTORS), rank, world_size)
+    return (mine.stop - mine.start) * min(SCALE_PROMPTS, len(train))

@@ -106,8 +106,6 @@ def run(
             state["elapsed"] = h.elapsed
             step.finish(record, lambda: _save_checkpoint(run_dir, opt, state))
         state.update(test_size=len(task.test), model_bytes=base_bytes, elapsed=h.elapsed)
-        if not h.is_root:
-            return {}  # rank 0 alone evaluates, exports and writes the summary
         return _finish(cfg, h, adapter, opt, state, heldout, sft_dir)
 
 
@@ -121,12 +119,19 @@ def _heldout(
     generation: int | None = None,
     final: bool = False,
 ) -> float:
-    """Held-out score of ``vector`` (rank 0 alone; never fed back); samples with ``generation``."""
-    if not h.is_root or not examples:
+    """Held-out score of ``vector`` (never fed back); samples with ``generation``.
+
+    Every rank calls it and generates its shard of the held-out prompts; only per-item scores
+    are gathered, so the score is that of one rank (the same sum in the same order).
+    """
+    from essa.dist import shard
+
+    if not examples:
         return float("nan")
-    with h.phase(name, len(prompts), unit="rows") as bar:
-        texts = heldout_texts(evaluator, vector, prompts, bar.advance)
-    return h.score(texts, examples, prompts, generation, final=final)
+    part = shard(len(prompts), h.comm.rank, h.comm.world_size)
+    with h.phase(name, part.stop - part.start, unit="rows") as bar:
+        texts = heldout_texts(evaluator, vector, prompts[part], bar.advance)
+    return h.score_shard(texts, examples, prompts, part, generation, final=final)
 
 
 def _generation(
@@ -183,7 +188,8 @@ def _initial_state(
         "elapsed": 0.0,
     }
     if cfg.evaluation.use_scale_baseline:
-        with h.phase("scale baseline", scale_rows(task.train), unit="rows") as bar:
+        rows = scale_rows(task.train, h.comm.rank, h.comm.world_size)
+        with h.phase("scale baseline", rows, unit="rows") as bar:
             state["scale_baseline"] = scale_baseline(
                 evaluator,
                 adapter,
@@ -194,6 +200,7 @@ def _initial_state(
                 lambda x: heldout(x, "scale baseline held-out"),
                 progress=bar.advance,
                 samples=cfg.generation.samples_per_prompt,
+                comm=h.comm,
             )
     return state
 
@@ -238,13 +245,16 @@ def _finish(
     heldout: Heldout,
     sft_dir: str,
 ) -> dict[str, Any]:
-    """Evaluate the selected vector on the held-out split, export it, write the summary."""
+    """Evaluate the selected vector on the held-out split (every rank, sharded); rank 0 alone
+    exports it and writes the summary (the others return ``{}``)."""
     from essa.backends.memory import memory_metrics
 
     vector = np.asarray(opt.mean)
     if cfg.evaluation.select == "best" and state["best_vector"] is not None:
         vector = np.asarray(state["best_vector"])
     final = heldout(vector, "final held-out", opt.generation, final=True)
+    if not h.is_root:
+        return {}
     adapter_dir = h.run_dir / "adapter"
     with h.phase("export"):
         adapter.export_peft(vector, adapter_dir, base_model_name_or_path=cfg.model.name_or_path)
