@@ -169,7 +169,8 @@ def test_layer_blocks_from_a_real_adapter_manifest() -> None:
 # end to end on the 2-layer test model ----------------------------------------------------
 
 SMALL = [
-    "sft.steps=2",
+    "sft.steps=10",
+    "sft.lr=0.01",  # as in test_mpi: an adapter strong enough for candidates to differ
     "data.sft_size=16",
     "data.batch_size=4",
     "data.test_size=8",
@@ -179,9 +180,12 @@ SMALL = [
     "evaluation.every=0",
     "evaluation.use_scale_baseline=false",
     "run.show_progress=false",
+    # A graded reward: a random model scores 0 on math everywhere, and flat fitness now (rightly)
+    # leaves CMA-ES where it is, so the sampled layers would never move.
+    "reward.name=mpi_helpers:char_variety",
     # The tiny model is not builtin:demo: pin the demo's values the schema no longer defaults to.
     "generation.max_new_tokens=8",
-    "optimizer.sigma0=1.0",
+    "optimizer.sigma0=3.0",
     "sft.batch_size=100",
 ]
 
