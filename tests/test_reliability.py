@@ -495,16 +495,16 @@ class _StubEvaluator:
         self.nonfinite = np.array([False, False, True, False])
         self.chosen: dict[int, str] = {}
 
-    def completions(self, population, prompts, seed=None, progress=None):  # type: ignore[no-untyped-def]
+    def completions(self, population, prompts, seed=None, progress=None, samples=1):  # type: ignore[no-untyped-def]
         return [["4"] * len(prompts), ["inf"] * len(prompts), ["4"] * len(prompts), ["x"] * 2]
 
 
 def test_failed_candidates_get_nan_fitness_and_are_counted() -> None:
     from essa.config import Config
     from essa.dist import get_comm
-    from essa.recipes.essa_es import _fitness
     from essa.recipes.fitness import fault_counts as _fault_counts
     from essa.recipes.fitness import generation_record as _generation_record
+    from essa.recipes.fitness import shard_fitness as _fitness
     from essa.rewards import Reward
     from essa.types import Example
 
@@ -516,7 +516,9 @@ def test_failed_candidates_get_nan_fitness_and_are_counted() -> None:
     evaluator = _StubEvaluator()
     train = [Example(prompt="2+2=", answer="4", solution=None)] * 2
     cfg = Config()
-    fitness = _fitness(cfg, 0, np.zeros((4, 3)), evaluator, train, ["2+2="] * 2, reward, get_comm())
+    fitness, _ = _fitness(
+        cfg, 0, np.zeros((4, 3)), evaluator, train, ["2+2="] * 2, reward, get_comm()
+    )
     assert fitness[0] == 1.0 and np.isnan(fitness[1:]).all()  # inf, non-finite logits, None
     record = _generation_record(0, fitness, {}, 1.0, 10, evaluator)
     assert record["n_failed"] == 3 and record["best_fitness"] == 1.0

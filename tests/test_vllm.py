@@ -289,11 +289,14 @@ def test_self_confidence_reward_takes_vllm_logprobs(tmp_path: Path) -> None:
     assert record["n_failed"] == 0
 
 
-def test_self_confidence_on_hf_backend_still_refused(tmp_path: Path) -> None:
+def test_reference_logprob_on_vllm_backend_is_refused(tmp_path: Path) -> None:
+    """vLLM returns the sampled tokens' log-probs, not teacher-forced references: one line,
+    before any model loads (self_confidence now runs on both backends, tests/test_label_free_es)."""
     result = subprocess.run(
-        [sys.executable, "-m", "essa.cli", "train", "--set", "reward.name=self_confidence",
-         "--run-dir", str(tmp_path / "run")],
+        [sys.executable, "-m", "essa.cli", "train", "--set", "backend=vllm",
+         "--set", "reward.name=reference_logprob", "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2
-    assert "self_confidence needs" in result.stderr
+    assert "reference_logprob needs ['reference_logprobs']" in result.stderr
+    assert "on this backend" in result.stderr and "Traceback" not in result.stderr

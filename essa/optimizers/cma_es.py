@@ -309,7 +309,14 @@ class CMAES(BestSoFar):
         self._reset()
         for entry in state["history"]:
             self._ensure_pending()
-            self._apply(fitness_from_json(entry))
+            fitness = fitness_from_json(entry)
+            if fitness.shape != (self._population_size,):
+                # A skipped (tied) generation never reaches pycma, which would catch this.
+                raise ValueError(
+                    f"history entry of {fitness.size} values for a population of "
+                    f"{self._population_size}"
+                )
+            self._apply(fitness)
             self._history.append(list(entry))
         self._warn_if_replay_differs(state)
 
