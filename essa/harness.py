@@ -333,13 +333,24 @@ class Harness:
         """
         mean, scores = score_heldout(self.metric, texts, examples, prompts)
         if generation is not None:
-            questions = [e.prompt for e in examples]
-            answers = [e.answer for e in examples]
-            rows = sample_rows(generation, questions, texts, answers, scores)
-            write_samples(self.samples, rows)
-            self.trackers.log_samples(rows, step=generation if final else generation + 1)
-            print_samples(self.reporter.console, rows, self._samples_title(generation, final))
+            self._samples(generation, final, texts, examples, scores)
         return mean
+
+    def _samples(
+        self,
+        generation: int,
+        final: bool,
+        texts: Sequence[str],
+        examples: Sequence[Example],
+        scores: Sequence[float],
+    ) -> None:
+        """The first held-out items to samples.jsonl, the trackers and the console."""
+        questions = [e.prompt for e in examples]
+        answers = [e.answer for e in examples]
+        rows = sample_rows(generation, questions, texts, answers, scores)
+        write_samples(self.samples, rows)
+        self.trackers.log_samples(rows, step=generation if final else generation + 1)
+        print_samples(self.reporter.console, rows, self._samples_title(generation, final))
 
     def score_shard(
         self,
@@ -359,13 +370,7 @@ class Harness:
         )
         scores = self.comm.allgather_fitness(np.asarray(mine, dtype=np.float64)).tolist()
         if generation is not None and self.is_root and texts:
-            own = examples[part]
-            rows = sample_rows(
-                generation, [e.prompt for e in own], texts, [e.answer for e in own], mine
-            )
-            write_samples(self.samples, rows)
-            self.trackers.log_samples(rows, step=generation if final else generation + 1)
-            print_samples(self.reporter.console, rows, self._samples_title(generation, final))
+            self._samples(generation, final, texts, examples[part], mine)
         return sum(scores) / len(scores) if scores else float("nan")
 
     def _samples_title(self, generation: int, final: bool) -> str:
