@@ -122,6 +122,10 @@ class RewardConfig:
     # Wall-clock bound per call of a custom (module:function) reward; a call that misses it
     # scores None for its items (NaN fitness). Built-in rewards bound themselves. null: no bound.
     timeout_seconds: float | None = 60.0
+    # ESSA, HF backend: a dense tie-breaker added to the fitness, w * (mean over prompts of the
+    # reference answer's mean token log-prob under the candidate), teacher-forced in the
+    # generation's own prefill. 0: off. Correctness moves in steps of 1/batch; this does not.
+    reference_weight: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -506,6 +510,7 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(
             "optimizer.population_size: openai_es needs an even population (antithetic pairs)"
         )
+    _check_reference_weight(cfg)
     if cfg.generation.temperature < 0:
         raise ConfigError("generation.temperature: must be >= 0")
     if cfg.generation.samples_per_prompt < 1:
@@ -564,6 +569,22 @@ def _check_heldout_metric(metric: str | None) -> None:
 
 # Recent vLLM releases dropped these (infra §3.5); any other name is checked by vLLM itself.
 VLLM_DROPPED_QUANTIZATION = ("bitsandbytes", "bnb", "gguf")
+
+
+def _check_reference_weight(cfg: Config) -> None:
+    w = cfg.reward.reference_weight
+    if not math.isfinite(w) or w < 0:
+        raise ConfigError(f"reward.reference_weight: must be a finite number >= 0, got {w}")
+    if w and cfg.algorithm != "essa":
+        raise ConfigError(
+            "reward.reference_weight: the tie-breaker is part of the ESSA fitness; "
+            f"algorithm {cfg.algorithm} takes the reward as it is (set it to 0)"
+        )
+    if w and cfg.backend != "hf":
+        raise ConfigError(
+            "reward.reference_weight: the reference is teacher-forced in the HF decode loop's "
+            "prefill; backend: vllm does not return prompt log-probs per candidate (set it to 0)"
+        )
 
 
 def _check_vllm(cfg: Config) -> None:

@@ -80,11 +80,36 @@ class ReferenceScorer(Protocol):
         ...
 
 
+@runtime_checkable
+class ReferenceForcingEvaluator(Evaluator, Protocol):
+    """An evaluator that teacher-forces each prompt's reference in the generation's own
+    prefill (HF): the dense tie-breaker of ``reward.reference_weight``."""
+
+    def completions(
+        self,
+        population: Population,
+        prompts: Sequence[str],
+        seed: int | None = None,
+        progress: RowProgress | None = None,
+        samples: int = 1,
+        references: Sequence[str | None] | None = None,
+    ) -> list[list[str]]:
+        """As :meth:`Evaluator.completions`; with ``references`` (one per prompt) also fills
+        :attr:`last_reference_logprobs`."""
+        ...
+
+    @property
+    def last_reference_logprobs(self) -> list[list[list[float]]]:
+        """[candidate][item][token] log pi_c(y*_t | x, y*_<t) of the last call's references."""
+        ...
+
+
 __all__ = [
     "Evaluator",
     "GenerationStats",
     "LogprobEvaluator",
     "Optimizer",
+    "ReferenceForcingEvaluator",
     "ReferenceScorer",
     "RowProgress",
 ]

@@ -159,3 +159,18 @@ def test_cli_config_show_applies_override() -> None:
     res = run_cli("config", "show", "--set", "optimizer.sigma0=0.25")
     assert res.returncode == 0, res.stderr
     assert "sigma0: 0.25" in res.stdout
+
+
+@pytest.mark.parametrize(
+    ("sets", "fragment"),
+    [
+        (["reward.reference_weight=-1"], "reward.reference_weight: must be a finite number >= 0"),
+        (["reward.reference_weight=0.1", "algorithm=grpo"], "part of the ESSA fitness"),
+        (["reward.reference_weight=0.1", "backend=vllm"], "HF decode loop's prefill"),
+    ],
+)
+def test_reference_weight_refusals(sets: list[str], fragment: str) -> None:
+    with pytest.raises(ConfigError, match="reward.reference_weight") as err:
+        load_config(None, sets)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+    assert load_config(None, ["reward.reference_weight=0.25"]).reward.reference_weight == 0.25

@@ -104,8 +104,9 @@ def _run(tiny_model_dir: Path, run_dir: Path, ranks: int, *sets: str) -> dict:
         ),
         ("reward.name=self_confidence",),
         ("reward.name=reference_logprob",),
+        ("reward.reference_weight=0.5",),
     ],
-    ids=["pool-population", "k-samples", "self-confidence", "reference-logprob"],
+    ids=["pool-population", "k-samples", "self-confidence", "reference-logprob", "tie-breaker"],
 )
 def test_label_free_and_logprob_rewards_train_end_to_end(
     tiny_model_dir: Path, tmp_path: Path, sets: tuple[str, ...]
@@ -118,6 +119,12 @@ def test_label_free_and_logprob_rewards_train_end_to_end(
     assert summary["heldout_metric"] == "math_accuracy"
     if "reward.params.pool=population" in sets:
         assert all(0 < r["majority_share"] <= 1 for r in records)
+    # Every generation says how far its best candidate stands above the mean, in prompts.
+    assert all(r["margin_prompts"] >= 0 and r["spread_prompts"] >= 0 for r in records)
+    if "reward.reference_weight=0.5" in sets:
+        assert all(r["reference_logprob"] < 0 for r in records)
+        # The fitness is the reward plus the weighted log-likelihood: below the reward alone.
+        assert all(r["mean_fitness"] < 1 + 0.5 * r["reference_logprob"] + 1e-9 for r in records)
 
 
 def test_group_reward_without_groups_is_one_clear_line(
@@ -148,8 +155,9 @@ def test_group_reward_without_groups_is_one_clear_line(
             "generation.samples_per_prompt=2",
             "generation.temperature=0.8",
         ),
+        ("reward.reference_weight=0.5",),
     ],
-    ids=["greedy-pool", "sampled-pool"],
+    ids=["greedy-pool", "sampled-pool", "tie-breaker"],
 )
 def test_population_pool_two_ranks_match_one_rank(
     tiny_model_dir: Path, tmp_path: Path, sets: tuple[str, ...]

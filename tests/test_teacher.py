@@ -54,3 +54,57 @@ def test_empty_continuation_scores_nothing(tiny_model_dir) -> None:
         micro_batch_size=3,
     )
     assert out[0][0] == [] and len(out[1][1]) == 1
+
+
+@pytest.mark.parametrize("strategy", ["batched", "merged"])
+@pytest.mark.parametrize("shared_prefix", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("drop_rows", [True, False])
+def test_references_forced_in_the_prefill_match_a_separate_pass(
+    tiny_model_dir, monkeypatch, strategy: str, shared_prefix: bool, temperature: float,
+    drop_rows: bool,
+) -> None:  # fmt: skip
+    """The tie-breaker's reference log-probs come from the generation's own prefill (or, where
+    the decode loop does not apply, a forward of their own): they equal the separate teacher-
+    forced pass, and the completions are those of a call without them."""
+    import essa.backends.hf as hf
+    from essa.backends.decode import supports_row_dropping
+    from essa.backends.evaluator import PopulationEvaluator
+    from essa.config import EvaluationConfig, GenerationConfig
+
+    model, tokenizer, adapter = svd_setup(tiny_model_dir)
+    assert supports_row_dropping(model)  # the prefill path is the one under test
+    if not drop_rows:
+        monkeypatch.setattr(hf, "supports_row_dropping", lambda _model: False)
+    rng = np.random.default_rng(3)
+    population = rng.normal(0, 0.5, size=(3, adapter.dim)) * adapter.stds()  # (3, D)
+    head = "Please add these two numbers: " if shared_prefix else ""
+    prompts = [f"{head}{q}" for q in ("12+3=", "7+7=", "1+1=", "40+2=")]
+    refs = ["15", "14", None, "42"]  # a missing reference scores nothing
+    gen = GenerationConfig(max_new_tokens=5, temperature=temperature)
+    cfg = EvaluationConfig(strategy=strategy, micro_batch_size=5, use_prefix_cache=True)
+    evaluator = PopulationEvaluator(model, tokenizer, adapter, gen, cfg)
+    plain = evaluator.completions(population, prompts, seed=7, samples=2)
+    forced = evaluator.completions(population, prompts, seed=7, samples=2, references=refs)
+    assert forced == plain
+    got = evaluator.last_reference_logprobs
+    expanded = [p for p in prompts for _ in range(2)]
+    want = evaluator.reference_logprobs(
+        population, expanded, [r or "" for r in refs for _ in range(2)]
+    )
+    assert [len(x) for x in got[0]] == [2, 2, 2, 2, 0, 0, 2, 2]
+    for g_c, w_c in zip(got, want, strict=True):
+        for g, w in zip(g_c, w_c, strict=True):
+            assert g == pytest.approx(w, abs=2e-5)
+    assert got[0] != got[1]  # per candidate, not the base model's
+
+
+def test_reference_term_and_signal_metrics_by_hand() -> None:
+    from essa.recipes.fitness import reference_term, signal_metrics
+
+    dense = reference_term([[[-1.0, -3.0], [-2.0]], [[-0.5, -0.5], []], [[], []]])
+    assert dense[:2].tolist() == [-2.0, -0.5] and np.isnan(dense[2])
+    m = signal_metrics(np.array([0.5, 0.25, np.nan, 0.75]), 32)
+    # best 0.75, mean 0.5 -> 8 prompts; population std of (0.5, 0.25, 0.75) = 0.2041 -> 6.53
+    assert m["margin_prompts"] == pytest.approx(8.0)
+    assert m["spread_prompts"] == pytest.approx(np.std([0.5, 0.25, 0.75]) * 32)

@@ -160,6 +160,8 @@ def decode_rows(
     guard_offset: int = 0,
     check_every: int | None = None,
     picker: RowPicker | None = None,
+    teacher: Sequence[Sequence[int]] | None = None,
+    teacher_logprobs: list[list[float]] | None = None,
 ) -> torch.Tensor:
     """New tokens (B, T_new) on CPU, padded after each row's stop token as ``generate`` pads.
 
@@ -169,6 +171,13 @@ def decode_rows(
     ``guard.rows[guard_offset + i]``. A ``picker`` (essa.backends.sampling.RowPicker) chooses
     the tokens instead (common-random-number sampling, log-probs); ``generate_kwargs`` must then
     be greedy, so that the processors do not warp the scores a second time.
+
+    ``teacher`` (B lists of token ids, e.g. each row's reference answer) is teacher-forced in
+    the prefill, right after the prompt: the prefill's logits then also give every teacher
+    token's log-prob (appended to ``teacher_logprobs``, one list per row), and the teacher
+    tokens are cropped from the cache before decoding, so the completions are unchanged. The
+    reference's likelihood costs ``len(teacher)`` extra prefill tokens per row, not a second
+    pass over the prompt.
     """
     from transformers import DynamicCache
 
@@ -186,16 +195,19 @@ def decode_rows(
     done: dict[int, torch.Tensor] = {}  # batch row -> its new tokens, CPU
     max_new = int(generate_kwargs["max_new_tokens"])
     for step in range(max_new):
-        out = model(
-            input_ids=state.step_ids,
-            attention_mask=state.mask,
-            position_ids=state.step_positions,
-            use_cache=True,
-            **{_cache_argument(model): cache},
-            **keep_one,
-        )
-        logits = out.logits[:, -1].to(dtype=torch.float32)  # (b, V)
-        del out
+        if step == 0 and teacher is not None:
+            logits = _teacher_prefill(model, state, cache, teacher, pad, teacher_logprobs)
+        else:
+            out = model(
+                input_ids=state.step_ids,
+                attention_mask=state.mask,
+                position_ids=state.step_positions,
+                use_cache=True,
+                **{_cache_argument(model): cache},
+                **keep_one,
+            )
+            logits = out.logits[:, -1].to(dtype=torch.float32)  # (b, V)
+            del out
         if guard is not None:
             bad, logits = guard.check(logits)
             state.flagged |= bad
@@ -224,6 +236,52 @@ def decode_rows(
         state, torch.ones(len(state.origin), dtype=torch.bool), width, done, guard, guard_offset
     )
     return _pad_after_stop([done[i] for i in range(len(done))], stops.cpu(), pad)
+
+
+def _teacher_prefill(
+    model: Any,
+    state: _Running,
+    cache: Any,
+    teacher: Sequence[Sequence[int]],
+    pad: int,
+    out: list[list[float]] | None,
+) -> torch.Tensor:
+    """The prefill with each row's teacher tokens after its prompt: the next-token logits
+    (b, V) of the prompt's last position; the teacher tokens' log-probs go to ``out``."""
+    from essa.backends.hf import _cache_argument
+
+    device = state.step_ids.device
+    n = max((len(t) for t in teacher), default=0)
+    ids = torch.full((len(teacher), n), pad, dtype=torch.long)  # (b, L) right-padded
+    live = torch.zeros((len(teacher), n), dtype=torch.long)  # (b, L)
+    for i, row in enumerate(teacher):
+        ids[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
+        live[i, : len(row)] = 1
+    ids, live = ids.to(device), live.to(device)
+    last = state.step_positions[:, -1:]  # (b, 1)
+    extra = {"logits_to_keep": n + 1} if _takes_logits_to_keep(model) else {}
+    result = model(
+        input_ids=torch.cat([state.step_ids, ids], dim=-1),
+        attention_mask=torch.cat([state.mask, live], dim=-1),
+        # Right pads sit after every real token of their row: nothing scored attends to them.
+        position_ids=torch.cat(
+            [state.step_positions, last + 1 + torch.arange(n, device=device)], -1
+        ),
+        use_cache=True,
+        **{_cache_argument(model): cache},
+        **extra,
+    )
+    logits = result.logits[:, -(n + 1) :].to(dtype=torch.float32)  # (b, L + 1, V)
+    del result
+    if n:
+        cache.crop(-n)  # the teacher tokens leave the cache: decoding continues from the prompt
+        logp = torch.log_softmax(logits[:, :n], dim=-1)  # (b, L, V): column t predicts ids[:, t]
+        picked = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1).cpu()  # (b, L)
+        if out is not None:
+            out.extend(picked[i, : len(row)].tolist() for i, row in enumerate(teacher))
+    elif out is not None:
+        out.extend([] for _ in teacher)
+    return logits[:, 0]
 
 
 def _collect(

@@ -92,6 +92,10 @@ class PopulationEvaluator:
         # log-probs of the last call, last_logprobs[candidate][item][token].
         self.record_logprobs = False
         self.last_logprobs: list[list[list[float]]] = []
+        # With ``references`` in a call: each reference's teacher-forced token log-probs under
+        # each candidate, from the generation's own prefill: [candidate][item][token].
+        self.last_reference_logprobs: list[list[list[float]]] = []
+        self._reference_ids: list[list[int]] | None = None  # of the current call, per item
         # Prompt -> token ids: every prompt is tokenised once per run, not every generation.
         self._token_ids: dict[str, list[int]] = {}
         dtypes = {model.get_submodule(name).weight.dtype for name in adapter.module_names}
@@ -118,6 +122,7 @@ class PopulationEvaluator:
         seed: int | None = None,
         progress: RowProgress | None = None,
         samples: int = 1,
+        references: Sequence[str | None] | None = None,
     ) -> list[list[str]]:
         """Return completions[candidate][item] for population (P, D), item ``i * samples + j``
         being sample j of prompt i.
@@ -128,10 +133,19 @@ class PopulationEvaluator:
         they sit in the population. Afterwards ``nonfinite`` (P,) marks the candidates whose
         logits were NaN/inf, and with ``record_logprobs`` ``last_logprobs`` holds the
         generated tokens' log-probs. ``progress(rows)`` is called after each micro-batch.
+        With ``references`` (one per prompt, None for none), ``last_reference_logprobs`` holds
+        each reference's teacher-forced token log-probs after its prompt under each candidate,
+        computed in the generation's prefill (a few extra tokens per row, no second pass).
         """
         from essa.backends.sampling import row_seed
 
         expanded = [p for p in prompts for _ in range(samples)]  # prompt-major
+        self._reference_ids = None
+        self.last_reference_logprobs = []
+        if references is not None:
+            refs = [r or "" for r in references for _ in range(samples)]
+            ids = self.tokenizer(refs, add_special_tokens=False)["input_ids"]
+            self._reference_ids = [list(i) for i in ids]
         self._row_seeds = None
         if seed is not None and self.gen.temperature > 0:
             self._row_seeds = [
@@ -234,6 +248,7 @@ class PopulationEvaluator:
             self._retrying("batched", population[:1], prompts[:1], seed)
             self._retrying("merged", population[:1], prompts[:1], seed)
             self.last_logprobs = []  # the warm-up rows are not part of the answer
+            self.last_reference_logprobs = []
             self._progress = progress
             self._probe_costs[n] = {"batched": 0.0, "merged": 0.0, "probes": 0.0}
         costs = self._probe_costs[n]
@@ -263,6 +278,10 @@ class PopulationEvaluator:
             self._token_ids.update(zip(unseen, encoded, strict=True))
         return [self._token_ids[p] for p in prompts]
 
+    def _references(self, n: int) -> list[list[int]] | None:
+        """The current call's reference ids for its ``n`` rows (a probe's warm-up runs one)."""
+        return None if self._reference_ids is None else self._reference_ids[:n]
+
     def _guard(self, n_rows: int) -> NonFiniteGuard:
         return NonFiniteGuard(n_rows, self.tokenizer.eos_token_id)
 
@@ -275,6 +294,8 @@ class PopulationEvaluator:
         guard = self._guard(len(rows))
         seeds = None if self._row_seeds is None else self._row_seeds * len(population)
         logprobs: list[list[float]] | None = [] if self.record_logprobs else None
+        refs = self._references(len(prompts))
+        ref_logprobs: list[list[float]] | None = None if refs is None else []
         with PopulationLoRA(self.model, self.adapter) as pop:
             pop.set_population(population)
             texts, tokens = generate_texts(
@@ -292,9 +313,15 @@ class PopulationEvaluator:
                 token_ids=token_ids,
                 row_seeds=seeds,
                 logprobs=logprobs,
+                reference_ids=None if refs is None else refs * len(population),
+                reference_logprobs=ref_logprobs,
             )
         if logprobs is not None:
             self.last_logprobs.extend(logprobs[c * n : (c + 1) * n] for c in range(len(population)))
+        if ref_logprobs is not None:
+            self.last_reference_logprobs.extend(
+                ref_logprobs[c * n : (c + 1) * n] for c in range(len(population))
+            )
         flags = guard.rows.view(len(population), n).any(dim=1).tolist()  # (P,)
         return [texts[c * n : (c + 1) * n] for c in range(len(population))], tokens, flags
 
@@ -305,9 +332,11 @@ class PopulationEvaluator:
         tokens = 0
         flags: list[bool] = []
         token_ids = self.token_ids(prompts)
+        refs = self._references(len(prompts))
         for vector in population:
             guard = self._guard(len(prompts))
             logprobs: list[list[float]] | None = [] if self.record_logprobs else None
+            ref_logprobs: list[list[float]] | None = None if refs is None else []
             with merged_candidate(self.model, self.adapter, vector):
                 texts, new = generate_texts(
                     self.model,
@@ -322,9 +351,13 @@ class PopulationEvaluator:
                     token_ids=token_ids,
                     row_seeds=self._row_seeds,
                     logprobs=logprobs,
+                    reference_ids=refs,
+                    reference_logprobs=ref_logprobs,
                 )
             if logprobs is not None:
                 self.last_logprobs.append(logprobs)
+            if ref_logprobs is not None:
+                self.last_reference_logprobs.append(ref_logprobs)
             out.append(texts)
             flags.append(bool(guard.rows.any()))
             tokens += new

@@ -289,6 +289,8 @@ def generate_texts(
     token_ids: Sequence[Sequence[int]] | None = None,
     row_seeds: Sequence[int] | None = None,
     logprobs: list[list[float]] | None = None,
+    reference_ids: Sequence[Sequence[int]] | None = None,
+    reference_logprobs: list[list[float]] | None = None,
 ) -> tuple[list[str], int]:
     """Generate one completion per prompt, in micro-batches of rows.
 
@@ -313,6 +315,10 @@ def generate_texts(
     draws from its own stream ``row_seeds[i]``, so rows with equal seeds and equal models draw
     equal samples whatever their position or batch. With ``logprobs`` (an empty list), the
     generated tokens' log-probs are appended to it, one list per row (stop token included).
+    With ``reference_ids`` (N,) lists of token ids, e.g. each row's reference answer, and
+    ``reference_logprobs`` (an empty list), the teacher-forced log-probs of those tokens after
+    the row's prompt are appended to it, one list per row: in the decode loop's own prefill
+    (``essa.backends.decode``), or a separate forward where that loop does not apply.
     """
     if not prompts:
         return [], 0
@@ -364,12 +370,18 @@ def generate_texts(
                 record_logprobs=logprobs is not None,
                 device=device,
             )
+        teacher = None if reference_ids is None else reference_ids[start:stop]
         if drop_rows:
             new = decode_rows(
                 model, input_ids, attention_mask, kwargs, cache=cache, rows=rows,
                 set_rows=set_rows, guard=guard, guard_offset=start, picker=picker,
+                teacher=teacher, teacher_logprobs=reference_logprobs,
             )  # fmt: skip
         else:
+            if teacher is not None and reference_logprobs is not None:
+                reference_logprobs.extend(
+                    _teacher_pass(model, tokenizer, encoded[start:stop], teacher)
+                )
             new = _generate(
                 model, input_ids, attention_mask, kwargs, cache, guard, start, stop, picker
             )
@@ -380,6 +392,19 @@ def generate_texts(
         if progress is not None:
             progress(stop - start)
     return completions, new_tokens
+
+
+def _teacher_pass(
+    model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], teacher: Sequence[Sequence[int]]
+) -> list[list[float]]:
+    """Teacher-forced log-probs of ``teacher`` after ``prompts`` in a forward of their own (for
+    models the decode loop does not cover); the rows' candidates are already set."""
+    from essa.backends.teacher import token_logprobs_rows
+
+    pairs = [(list(p), list(t)) for p, t in zip(prompts, teacher, strict=True)]
+    return token_logprobs_rows(
+        model, pairs, pad_id=tokenizer.pad_token_id, micro_batch_size=len(pairs)
+    )
 
 
 def _generate(

@@ -13,7 +13,13 @@ import numpy as np
 from essa.config import Config
 from essa.dist import Comm
 from essa.errors import UserError
-from essa.protocols import Evaluator, LogprobEvaluator, ReferenceScorer, RowProgress
+from essa.protocols import (
+    Evaluator,
+    LogprobEvaluator,
+    ReferenceForcingEvaluator,
+    ReferenceScorer,
+    RowProgress,
+)
 from essa.rewards.base import Reward
 from essa.rewards.fitness import KeyGather, candidate_scores
 from essa.rewards.logprob import COMPLETION_LOGPROBS, REFERENCE_LOGPROBS
@@ -174,11 +180,17 @@ def shard_fitness(
     mine = population[shard(len(population), comm.rank, comm.world_size)]
     seed = cfg.run.seed * 100_003 + g
     k = cfg.generation.samples_per_prompt
+    weight = cfg.reward.reference_weight
+    # The dense tie-breaker rides in the generation's prefill (load_reward admits it on HF only).
+    extra: dict[str, Any] = {}
+    if weight:
+        assert isinstance(evaluator, ReferenceForcingEvaluator)
+        extra["references"] = answers
     if rows is None:
-        texts = evaluator.completions(mine, prompts, seed=seed, samples=k)
+        texts = evaluator.completions(mine, prompts, seed=seed, samples=k, **extra)
     else:
         with rows(len(mine) * len(prompts) * k) as bar:
-            texts = evaluator.completions(mine, prompts, seed, bar.advance, samples=k)
+            texts = evaluator.completions(mine, prompts, seed, bar.advance, samples=k, **extra)
     graded, pool = scores(
         reward, evaluator, texts, answers, prompts, population=mine, samples=k, comm=comm
     )
@@ -186,4 +198,39 @@ def shard_fitness(
     local[evaluator.nonfinite] = np.nan  # NaN/inf logits: graded text would be garbage
     local[~np.isfinite(local)] = np.nan  # +-inf fitness is a failed evaluation too
     # (P,) float64: with the pool's 8-byte answer keys, the only data crossing ranks
-    return comm.allgather_fitness(local), pool
+    reward_fitness = comm.allgather_fitness(local)
+    if not weight:
+        return reward_fitness, {**pool, **signal_metrics(reward_fitness, len(prompts))}
+    assert isinstance(evaluator, ReferenceForcingEvaluator)
+    dense = reference_term(evaluator.last_reference_logprobs)  # (p,)
+    fitness = comm.allgather_fitness(local + weight * dense)
+    metrics = signal_metrics(reward_fitness, len(prompts))
+    metrics["reference_logprob"] = float(np.nanmean(comm.allgather_fitness(dense)))
+    return fitness, {**pool, **metrics}
+
+
+def reference_term(logprobs: list[list[list[float]]]) -> np.ndarray:
+    """(P,) per candidate: the mean over items of the reference's mean token log-prob, i.e. the
+    length-normalised log-likelihood of the right answer (items without one are left out).
+
+    >>> reference_term([[[-1.0, -3.0], []], [[-0.5], [-1.5]]]).tolist()
+    [-2.0, -1.0]
+    """
+    out = []
+    for items in logprobs:
+        means = [sum(t) / len(t) for t in items if t]
+        out.append(sum(means) / len(means) if means else np.nan)
+    return np.array(out, dtype=np.float64)
+
+
+def signal_metrics(fitness: Fitness, n_prompts: int) -> dict[str, float]:
+    """How much the reward separates the population, in prompts of this generation's batch:
+    best minus mean (the margin the ranking rests on) and the spread across candidates. A
+    margin of one or two prompts out of 32 is mostly noise (issue 15's SmolLM2 runs)."""
+    finite = fitness[np.isfinite(fitness)]
+    if finite.size == 0:
+        return {}
+    return {
+        "margin_prompts": float((finite.max() - finite.mean()) * n_prompts),
+        "spread_prompts": float(finite.std() * n_prompts),
+    }
