@@ -231,7 +231,8 @@ def evaluate(
         Path | None, typer.Option(help="PEFT adapter directory (default: none)")
     ] = None,
     samples: Annotated[
-        int, typer.Option(help="Completions per problem (>1 needs temperature > 0)")
+        int,
+        typer.Option(help="Completions per problem: 1 is greedy; >1 samples (temperature > 0)"),
     ] = 1,
     output: Annotated[
         Path | None,
@@ -297,6 +298,8 @@ def _sample_metrics(
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Generate k completions per problem and grade them with the held-out metric ``reward``;
     majority keys from extracted answers. Returns the metrics and one record per completion."""
+    from dataclasses import replace
+
     from essa.backends.hf import generate_texts
     from essa.metrics import sample_metrics
     from essa.recipes.common import render_prompts
@@ -305,11 +308,14 @@ def _sample_metrics(
 
     prompts = render_prompts(examples, cfg.data.template, tokenizer, cfg.data.system_prompt)
     rows = [p for p in prompts for _ in range(k)]  # problem-major
+    # One completion per problem is greedy, as the held-out score during training; K samples
+    # use generation.temperature.
+    gen = cfg.generation if k > 1 else replace(cfg.generation, temperature=0.0)
     texts, _ = generate_texts(
         model,
         tokenizer,
         rows,
-        cfg.generation,
+        gen,
         micro_batch_size=cfg.evaluation.micro_batch_size,
         seed=cfg.run.seed,
     )

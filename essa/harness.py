@@ -224,6 +224,9 @@ class Reporter:
             self.say(f"{phase.name}:{count} in {seconds:.1f} s{extra}")
 
 
+HELDOUT_SCORES_NAME = "heldout_scores.jsonl"
+
+
 class Harness:
     """One run of a recipe in ``run_dir`` (created and checked by the CLI beforehand).
 
@@ -250,6 +253,9 @@ class Harness:
         self.checkpoint_every = checkpoint_every
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=self.is_root)
         self.samples = samples_log(run_dir, enabled=self.is_root)
+        # Every held-out pass's per-item scores (SFT start, each evaluation, final): paired
+        # tests against the SFT adapter need no second evaluation.
+        self.heldout_scores = MetricsLog(run_dir / HELDOUT_SCORES_NAME, enabled=self.is_root)
         self.metric_name, self.metric = heldout_metric(cfg)  # what "held-out accuracy" means
         self.reporter = Reporter(
             console if self.is_root else None,
@@ -298,11 +304,11 @@ class Harness:
     def restore(self, state: JSONDict | None, *, done: int) -> JSONDict | None:
         """Adopt a loaded checkpoint (``done`` steps) or start the metrics afresh (None)."""
         if state is None:
-            self.metrics.truncate_after(-2)
-            self.samples.truncate_after(-2)
+            for log in (self.metrics, self.samples, self.heldout_scores):
+                log.truncate_after(-2)
             return None
-        self.metrics.truncate_after(done - 1)  # records past the checkpoint will be redone
-        self.samples.truncate_after(done - 1)
+        for log in (self.metrics, self.samples, self.heldout_scores):
+            log.truncate_after(done - 1)  # records past the checkpoint will be redone
         self.elapsed_before = float(state.get("elapsed", 0.0))
         self._saved = done
         return state
@@ -334,7 +340,16 @@ class Harness:
         mean, scores = score_heldout(self.metric, texts, examples, prompts)
         if generation is not None:
             self._samples(generation, final, texts, examples, scores)
+            self._item_scores(generation, final, scores)
         return mean
+
+    def _item_scores(
+        self, generation: int, final: bool, scores: Sequence[float], name: str | None = None
+    ) -> None:
+        record = {"generation": generation, "final": final, "metric": self.metric_name}
+        if name is not None:
+            record["pass"] = name
+        self.heldout_scores.write({**record, "scores": [float(s) for s in scores]})
 
     def _samples(
         self,
@@ -361,16 +376,20 @@ class Harness:
         generation: int | None = None,
         *,
         final: bool = False,
+        name: str | None = None,
     ) -> float:
         """Every rank: score its ``part`` of the held-out items (``texts`` are its completions),
         gather the per-item scores (8 bytes each), and return the mean over all items, summed
-        in item order as one rank would. Rank 0's items feed the samples."""
+        in item order as one rank would. Rank 0's items feed the samples; every pass with a
+        ``generation`` or a ``name`` goes to heldout_scores.jsonl."""
         mine = (
             [] if not texts else score_heldout(self.metric, texts, examples[part], prompts[part])[1]
         )
         scores = self.comm.allgather_fitness(np.asarray(mine, dtype=np.float64)).tolist()
         if generation is not None and self.is_root and texts:
             self._samples(generation, final, texts, examples[part], mine)
+        if generation is not None or name is not None:
+            self._item_scores(-1 if generation is None else generation, final, scores, name)
         return sum(scores) / len(scores) if scores else float("nan")
 
     def _samples_title(self, generation: int, final: bool) -> str:

@@ -51,10 +51,13 @@ class Evaluator(Protocol):
         seed: int | None = None,
         progress: RowProgress | None = None,
         samples: int = 1,
+        *,
+        greedy: bool = False,
     ) -> list[list[str]]:
         """completions[candidate][item] for population (P, D), item ``i * samples + j`` the
         j-th sample of prompt i, drawn from the same random stream for every candidate
-        (common random numbers); ``progress`` after each batch."""
+        (common random numbers); ``progress`` after each batch. ``greedy`` decodes greedily
+        whatever ``generation.temperature`` (held-out scoring)."""
         ...
 
 
@@ -93,6 +96,8 @@ class ReferenceForcingEvaluator(Evaluator, Protocol):
         progress: RowProgress | None = None,
         samples: int = 1,
         references: Sequence[str | None] | None = None,
+        *,
+        greedy: bool = False,
     ) -> list[list[str]]:
         """As :meth:`Evaluator.completions`; with ``references`` (one per prompt) also fills
         :attr:`last_reference_logprobs`."""

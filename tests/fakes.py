@@ -40,6 +40,8 @@ class FakeEvaluator:
         seed: int | None = None,
         progress: RowProgress | None = None,
         samples: int = 1,
+        *,
+        greedy: bool = False,  # the fake is deterministic either way
     ) -> list[list[str]]:
         population = np.atleast_2d(population)  # (P, D)
         prompts = [p for p in prompts for _ in range(samples)]

@@ -172,3 +172,17 @@ def test_population_pool_two_ranks_match_one_rank(
     k = 2 if "generation.samples_per_prompt=2" in sets else 1
     for record in generations(two)[1:]:
         assert record["comm_bytes"] == 96 + 8 * (2 * 4 * k) + 8
+
+
+def test_heldout_decoding_is_greedy_under_a_sampling_config(setup) -> None:  # type: ignore[no-untyped-def]
+    """Training may sample (temperature > 0); the held-out score always decodes greedily."""
+    from essa.recipes.fitness import heldout_texts
+
+    _, _, adapter = setup
+    vector = np.random.default_rng(4).normal(0, 0.5, adapter.dim) * adapter.stds()
+    sampling = _evaluator(setup, temperature=0.9)
+    want = _evaluator(setup, temperature=0.0).completions(vector[None, :], PROMPTS * 3)[0]
+    assert heldout_texts(sampling, vector, PROMPTS * 3) == want
+    assert sampling.gen.temperature == 0.9  # restored for the next generation
+    sampled = sampling.completions(vector[None, :], PROMPTS * 3, seed=1)[0]
+    assert sampled != want  # the config does sample: the check above is not vacuous

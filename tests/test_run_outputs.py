@@ -49,6 +49,26 @@ def check_samples_and_metric(run_dir: Path, summary: dict) -> None:
         assert [r["reward"] for r in at] == recomputed
         assert summary[key] == pytest.approx(sum(recomputed) / len(recomputed))
     assert summary["heldout_metric"] == "exact_match"
+    check_heldout_scores(run_dir, summary)
+
+
+def check_heldout_scores(run_dir: Path, summary: dict) -> None:
+    """Every held-out pass's per-item scores: their means are the reported accuracies."""
+    passes = [
+        json.loads(line) for line in (run_dir / "heldout_scores.jsonl").read_text().splitlines()
+    ]
+    sizes = {len(p["scores"]) for p in passes}
+    assert sizes == {summary.get("test_size", next(iter(sizes)))} and 0 not in sizes
+    baseline = next(
+        p for p in passes if p["generation"] == -1 and not p.get("pass", "").startswith("scale")
+    )
+    final = next(p for p in passes if p["final"])
+    for record, key in ((baseline, "baseline_accuracy"), (final, "final_accuracy")):
+        assert sum(record["scores"]) / len(record["scores"]) == pytest.approx(summary[key])
+    if summary["scale_baseline_ran"]:
+        scale = next(p for p in passes if p.get("pass") == "scale baseline held-out")
+        mean = sum(scale["scores"]) / len(scale["scores"])
+        assert mean == pytest.approx(summary["scale_baseline"]["heldout_accuracy"])
 
 
 @pytest.mark.parametrize(("metric", "expected"), [("math_accuracy", 1.0), ("exact_match", 0.0)])

@@ -123,6 +123,8 @@ class PopulationEvaluator:
         progress: RowProgress | None = None,
         samples: int = 1,
         references: Sequence[str | None] | None = None,
+        *,
+        greedy: bool = False,
     ) -> list[list[str]]:
         """Return completions[candidate][item] for population (P, D), item ``i * samples + j``
         being sample j of prompt i.
@@ -136,8 +138,18 @@ class PopulationEvaluator:
         With ``references`` (one per prompt, None for none), ``last_reference_logprobs`` holds
         each reference's teacher-forced token log-probs after its prompt under each candidate,
         computed in the generation's prefill (a few extra tokens per row, no second pass).
+        ``greedy`` decodes greedily whatever ``generation.temperature`` (held-out scoring).
         """
+        from dataclasses import replace
+
         from essa.backends.sampling import row_seed
+
+        if greedy and self.gen.temperature > 0:
+            sampling, self.gen = self.gen, replace(self.gen, temperature=0.0)
+            try:
+                return self.completions(population, prompts, seed, progress, samples, references)
+            finally:
+                self.gen = sampling
 
         expanded = [p for p in prompts for _ in range(samples)]  # prompt-major
         self._reference_ids = None

@@ -164,6 +164,7 @@ class VLLMEvaluator:
         self.stop_ids = stop_token_ids(tokenizer, model_generation_config(model_path))
         self._calls = 0
         self._row_seeds: list[int] = []  # of the current call: one stream per (prompt, sample)
+        self._greedy = False  # of the current call: held-out scoring decodes greedily
 
     def completions(
         self,
@@ -172,12 +173,16 @@ class VLLMEvaluator:
         seed: int | None = None,
         progress: RowProgress | None = None,
         samples: int = 1,
+        *,
+        greedy: bool = False,
     ) -> list[list[str]]:
         """Return completions[candidate][item] for population (P, D), item ``i * samples + j``
         being sample j of prompt i; sampled rows are seeded by ``row_seed(seed, i, j)``, the
-        same for every candidate and chunk (common random numbers, essa.backends.sampling)."""
+        same for every candidate and chunk (common random numbers, essa.backends.sampling).
+        ``greedy`` decodes greedily whatever ``generation.temperature`` (held-out scoring)."""
         from essa.backends.sampling import row_seed
 
+        self._greedy = greedy
         population = np.atleast_2d(population)
         expanded = [p for p in prompts for _ in range(samples)]  # prompt-major
         base = 0 if seed is None else seed
@@ -255,7 +260,7 @@ class VLLMEvaluator:
             "detokenize": False,  # decoded by the HF tokenizer, as on the HF backend
             "stop_token_ids": self.stop_ids,
         }
-        if gen.temperature <= 0:
+        if gen.temperature <= 0 or self._greedy:
             return SamplingParams(temperature=0.0, **common)
         return [  # candidate-major rows; row (c, i, j) draws from stream (i, j) for every c
             SamplingParams(temperature=gen.temperature, top_p=gen.top_p, seed=s, **common)

@@ -131,7 +131,7 @@ def _heldout(
     part = shard(len(prompts), h.comm.rank, h.comm.world_size)
     with h.phase(name, part.stop - part.start, unit="rows") as bar:
         texts = heldout_texts(evaluator, vector, prompts[part], bar.advance)
-    return h.score_shard(texts, examples, prompts, part, generation, final=final)
+    return h.score_shard(texts, examples, prompts, part, generation, final=final, name=name)
 
 
 def _generation(

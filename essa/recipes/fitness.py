@@ -154,8 +154,11 @@ def heldout_texts(
     prompts: list[str],
     progress: RowProgress | None = None,
 ) -> list[str]:
-    """Greedy completions of one candidate on the held-out prompts (scored by the harness)."""
-    (texts,) = evaluator.completions(np.asarray(vector)[None, :], prompts, progress=progress)
+    """Greedy completions of one candidate on the held-out prompts (scored by the harness),
+    whatever the training's sampling temperature: the reported accuracy is always greedy."""
+    (texts,) = evaluator.completions(
+        np.asarray(vector)[None, :], prompts, progress=progress, greedy=True
+    )
     return texts
 
 

@@ -405,6 +405,8 @@ def heldout_accuracy(
 
     With ``generation`` its first items are also samples (:meth:`Harness.score`).
     """
+    from dataclasses import replace
+
     from essa.backends.hf import generate_texts
 
     if not data.test:
@@ -414,7 +416,7 @@ def heldout_accuracy(
             policy.model,
             tokenizer,
             data.test_prompts,
-            cfg.generation,
+            replace(cfg.generation, temperature=0.0),  # the groups sample; the score is greedy
             micro_batch_size=cfg.evaluation.micro_batch_size,
             progress=bar.advance,
         )

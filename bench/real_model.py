@@ -1,0 +1,274 @@
+"""ESSA on a real pretrained model: SmolLM2-135M-Instruct on reasoning-gym tasks, beside GRPO.
+
+    python -m bench.real_model [--seeds 0 1 2] [--tasks chain_sum ...] [--no-grpo] [--set k=v]
+
+For each task (reasoning-gym generators and scorers; nobody here wrote them) this runs, each in
+a fresh process, from ``configs/smollm2.yaml`` with only the task swapped in:
+
+* ``essa eval`` of the base model (no adapter) on the held-out split;
+* per seed, ``essa train``: SFT of the rank-8 LoRA, the no-search scale baseline, CMA-ES over
+  the adapter's singular values, the final held-out evaluation. Each run writes the per-item
+  held-out scores of every pass (``heldout_scores.jsonl``), so the gains are tested *paired*
+  on the same items: mean per-item difference and its standard error, per seed and pooled;
+* with GRPO (seed 0 only, on the ESSA run's own SFT adapter, data, reward and held-out items),
+  ``algorithm: grpo`` with the same wall-clock budget: held-out accuracy against training
+  seconds and generated tokens (``essa.compare``), and peak memory (RSS).
+
+Writes bench/results/real_model.json, real_model.md (the README table) and one
+real_model_<task>.png per task. Sizes come from the config: held-out items per task
+(``--set data.test_size=N``), generations and the 20-minute budget (``run.max_wall_seconds``).
+Everything the runs print goes to <root>/<task>/*.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.common import launch, write_result
+
+RESULTS = Path("bench/results")
+CONFIG = Path("configs/smollm2.yaml")
+# Difficulties at which the base model is neither near 0 nor near its ceiling (probed with
+# `essa eval` on the base model); task parameters go to both the generator and the scorer.
+TASKS: dict[str, dict[str, Any]] = {
+    "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},
+    "letter_counting": {"min_words": 3, "max_words": 5},
+    "spell_backward": {"min_word_len": 3, "max_word_len": 5},
+}
+
+
+def task_config(task: str, params: dict[str, Any], out: Path) -> Path:
+    """configs/smollm2.yaml with ``task`` swapped in (data source, generator and scorer)."""
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["data"]["source"] = f"reasoning_gym:{task}"
+    cfg["data"]["params"] = dict(params)
+    cfg["reward"] = {**cfg["reward"], "params": {"task": task, "params": dict(params)}}
+    cfg["run"]["show_progress"] = False
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def essa(args: list[str], log: Path, threads: int) -> float:
+    """One ``essa ...`` command in a fresh process; its wall seconds."""
+    return launch([sys.executable, "-m", "essa.cli", *args], log, threads)
+
+
+def sets(overrides: list[str]) -> list[str]:
+    return [x for o in overrides for x in ("--set", o)]
+
+
+def base_scores(config: Path, root: Path, overrides: list[str], threads: int) -> dict[str, Any]:
+    """Held-out per-item scores of the base model (no adapter)."""
+    out = root / "base_eval.json"
+    seconds = essa(["eval", str(config), *sets(overrides), "--output", str(out)],
+                   root / "base_eval.log", threads)  # fmt: skip
+    items = (root / "base_eval.items.jsonl").read_text().splitlines()
+    return {"scores": [float(json.loads(x)["reward"] or 0.0) for x in items], "seconds": seconds}
+
+
+def passes(run_dir: Path) -> dict[str, list[float]]:
+    """The run's held-out passes by name: sft (its start), scale (the no-search baseline),
+    final (the exported adapter)."""
+    out: dict[str, list[float]] = {}
+    for line in (run_dir / "heldout_scores.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["final"]:
+            out["final"] = record["scores"]
+        elif record.get("pass", "").startswith("scale"):
+            out["scale"] = record["scores"]
+        elif record["generation"] == -1:
+            out["sft"] = record["scores"]
+    return out
+
+
+def paired(a: list[float], b: list[float]) -> dict[str, float]:
+    """Mean of a - b over the same items and its standard error."""
+    diff = [x - y for x, y in zip(a, b, strict=True)]
+    n = len(diff)
+    se = statistics.stdev(diff) / math.sqrt(n) if n > 1 else float("nan")
+    return {"gain": statistics.mean(diff), "se": se, "n": n}
+
+
+def essa_seed(config: Path, seed: int, root: Path, overrides: list[str], threads: int) -> dict:
+    run_dir = root / f"essa-seed{seed}"
+    args = ["train", str(config), "--overwrite", "--run-dir", str(run_dir),
+            "--set", f"run.seed={seed}", *sets(overrides)]  # fmt: skip
+    wall = essa(args, root / f"essa-seed{seed}.log", threads)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    scores = passes(run_dir)
+    margins = [
+        r["margin_prompts"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "margin_prompts" in r
+    ]
+    return {
+        "seed": seed,
+        "run_dir": str(run_dir),
+        "command_wall_seconds": wall,
+        "summary": summary,
+        "accuracy": {k: statistics.mean(v) for k, v in scores.items()},
+        "essa_vs_sft": paired(scores["final"], scores["sft"]),
+        "essa_vs_scale": paired(scores["final"], scores["scale"]) if "scale" in scores else None,
+        "margin_prompts_median": statistics.median(margins) if margins else None,
+        "scores": scores,
+    }
+
+
+def grpo_seed(config: Path, essa_run: dict, root: Path, overrides: list[str], threads: int) -> dict:
+    """GRPO from the ESSA run's own SFT adapter, with the ESSA run's wall-clock as budget."""
+    run_dir = root / f"grpo-seed{essa_run['seed']}"
+    budget = int(essa_run["summary"]["wall_seconds"])
+    args = ["train", str(config), "--overwrite", "--run-dir", str(run_dir),
+            "--set", "algorithm=grpo", "--set", f"run.seed={essa_run['seed']}",
+            "--set", f"adapter.path={essa_run['summary']['sft_adapter_dir']}",
+            "--set", f"run.max_wall_seconds={budget}", "--set", "run.generations=1000",
+            *sets(overrides)]  # fmt: skip
+    wall = essa(args, root / f"grpo-seed{essa_run['seed']}.log", threads)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    scores = passes(run_dir)
+    return {
+        "seed": essa_run["seed"],
+        "run_dir": str(run_dir),
+        "command_wall_seconds": wall,
+        "summary": summary,
+        "accuracy": {k: statistics.mean(v) for k, v in scores.items()},
+        "grpo_vs_sft": paired(scores["final"], scores["sft"]),
+        "essa_vs_grpo": paired(essa_run["scores"]["final"], scores["final"]),
+    }
+
+
+def pooled(runs: list[dict], key: str) -> dict[str, float]:
+    """Mean gain over seeds and its standard error (independent seeds)."""
+    gains = [r[key]["gain"] for r in runs]
+    se = math.sqrt(sum(r[key]["se"] ** 2 for r in runs)) / len(runs)
+    return {"gain": statistics.mean(gains), "se": se, "z": statistics.mean(gains) / se if se else
+            float("nan"), "per_seed_z": [r[key]["gain"] / r[key]["se"] if r[key]["se"] else
+            float("nan") for r in runs]}  # fmt: skip
+
+
+def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
+    root = Path(args.root) / task
+    config = task_config(task, TASKS[task], root)
+    print(f"[real_model] {task}: base model eval ...", flush=True)
+    base = base_scores(config, root, args.overrides, args.threads)
+    runs = []
+    for seed in args.seeds:
+        print(f"[real_model] {task} seed {seed}: essa train ...", flush=True)
+        run = essa_seed(config, seed, root, args.overrides, args.threads)
+        p = run["essa_vs_sft"]
+        print(f"[real_model] {task} seed {seed}: SFT {run['accuracy']['sft']:.3f} -> ESSA "
+              f"{run['accuracy']['final']:.3f} ({p['gain']:+.3f}, paired SE {p['se']:.3f}), "
+              f"{run['summary']['wall_seconds']:.0f} s", flush=True)  # fmt: skip
+        runs.append(run)
+    result: dict[str, Any] = {
+        "params": TASKS[task],
+        "base_accuracy": statistics.mean(base["scores"]),
+        "base_eval_seconds": base["seconds"],
+        "essa": runs,
+        "essa_vs_sft": pooled(runs, "essa_vs_sft"),
+        "essa_vs_base": [paired(r["scores"]["final"], base["scores"]) for r in runs],
+    }
+    if args.grpo:
+        print(f"[real_model] {task} seed {runs[0]['seed']}: grpo train ...", flush=True)
+        grpo = grpo_seed(config, runs[0], root, args.overrides, args.threads)
+        result["grpo"] = grpo
+        plot_task(task, runs[0], grpo, RESULTS / f"real_model_{task}.png")
+    for run in runs:  # per-item scores stay in the run directories
+        run.pop("scores")
+    return result
+
+
+def plot_task(task: str, essa_run: dict, grpo: dict, path: Path) -> None:
+    """Held-out accuracy against training seconds and generated tokens, ESSA beside GRPO."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from essa.compare import load_run
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for run in (essa_run, grpo):
+        curves = load_run(Path(run["run_dir"]))
+        peak = run["summary"].get("peak_rss_mb")
+        label = f"{curves.label} (peak RSS {peak:.0f} MB)" if peak else curves.label
+        if curves.accuracy:
+            s, tokens, acc = zip(*curves.accuracy, strict=True)
+            axes[0].plot(s, acc, marker="o", label=label)
+            axes[1].plot(tokens, acc, marker="o", label=label)
+    axes[0].set_xlabel("training seconds (2 CPU cores)")
+    axes[1].set_xlabel("generated tokens")
+    for ax in axes:
+        ax.set_ylabel("held-out accuracy")
+        ax.legend()
+    fig.suptitle(f"SmolLM2-135M-Instruct, reasoning-gym {task}, seed {essa_run['seed']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def mean_accuracy(runs: list[dict], key: str) -> float | None:
+    """Mean over seeds of one held-out pass's accuracy; None when a run lacks it."""
+    values = [r["accuracy"].get(key) for r in runs]
+    return None if None in values else statistics.mean(v for v in values if v is not None)
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [
+        "| task | base | SFT | scale baseline | ESSA | ESSA - SFT (paired SE) | gain / SE "
+        "| per seed z | run s (median) | GRPO at equal wall-clock | peak RSS ESSA / GRPO |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for task, t in result["tasks"].items():
+        acc = {k: mean_accuracy(t["essa"], k) for k in ("sft", "scale", "final")}
+        scale = "-" if acc["scale"] is None else f"{acc['scale']:.3f}"
+        wall = statistics.median(r["summary"]["wall_seconds"] for r in t["essa"])
+        p = t["essa_vs_sft"]
+        z = ", ".join(f"{v:.1f}" for v in p["per_seed_z"])
+        grpo, mem = "-", "-"
+        if "grpo" in t:
+            g = t["grpo"]
+            grpo = f"{g['accuracy']['final']:.3f} (ESSA {g['essa_vs_grpo']['gain']:+.3f} ± "
+            grpo += f"{g['essa_vs_grpo']['se']:.3f})"
+            e_mem = t["essa"][0]["summary"].get("peak_rss_mb")
+            g_mem = g["summary"].get("peak_rss_mb")
+            if e_mem and g_mem:
+                mem = f"{e_mem:.0f} / {g_mem:.0f} MB ({e_mem / g_mem:.2f}x)"
+        lines.append(
+            f"| {task} | {t['base_accuracy']:.3f} | {acc['sft']:.3f} | {scale} | "
+            f"{acc['final']:.3f} | {p['gain']:+.3f} ({p['se']:.3f}) | {p['z']:.1f} | {z} | "
+            f"{wall:.0f} | {grpo} | {mem} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--no-grpo", dest="grpo", action="store_false")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--root", default="runs/bench-real-model")
+    args = parser.parse_args()
+    result: dict[str, Any] = {"config": str(CONFIG), "overrides": args.overrides, "tasks": {}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for task in args.tasks:
+        result["tasks"][task] = run_task(task, args)
+    command = "python -m bench.real_model " + " ".join(sys.argv[1:])
+    write_result("real_model", result, command.strip())
+    (RESULTS / "real_model.md").write_text(table(result) + "\n")
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
