@@ -84,9 +84,10 @@ def skip_probability(record: PromptRecord, p_easy: float, p_hard: float, floor: 
 
 def adapt_rate(p: float, observed: float, target: float, cfg: SelectionConfig) -> float:
     """GRESO's base exploration rate after a step: down by one step when the observed
-    zero-spread ratio is at or above the target (skip more), up otherwise, within bounds."""
+    zero-spread ratio is at or above the target (skip more), up otherwise, within bounds.
+    Rounded to 12 decimals so repeated steps of 0.01 read as 0.46, not 0.45999999999999996."""
     p = p - cfg.explore_step if observed >= target else p + cfg.explore_step
-    return min(max(p, cfg.explore_min), cfg.explore_max)
+    return round(min(max(p, cfg.explore_min), cfg.explore_max), 12)
 
 
 def choose(
