@@ -23,6 +23,9 @@ Deviations from the papers:
   trains on the groups it has (verl raises after ``max_num_gen_batches``);
 * the LR schedule and warm-up count rollout steps, not optimizer steps;
 * one process only: under MPI with two or more ranks the recipe refuses to start.
+* ``data.selection: greso`` refills each round to ``prompts_per_step`` instead of GRESO's
+  adaptive over-sampling; ``data.hints`` uses reference-solution prefixes as Scaf-GRPO's tiers
+  (docs/informative-prompts.md).
 """
 
 from __future__ import annotations
