@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.test_mpi import assert_same_adapter, needs_mpi
+from tests.test_mpi import train as mpi_train
 from tests.test_train_e2e import adapter_tensors, essa, sets
 
 ON = ["data.selection.name=greso", "data.hints.after=1", "data.hints.format=({hint}){question}"]
@@ -182,3 +184,20 @@ def test_heldout_prompts_never_get_hints(
     assert not any("(" in prompt for prompts in heldout for prompt in prompts)
     if recipe == "essa":  # the training calls did carry hints
         assert any("(" in prompt for h, prompts in calls if not h for prompt in prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@needs_mpi
+def test_two_ranks_keep_the_same_history_as_one(tmp_path: Path) -> None:
+    """ESSA under mpiexec: each rank scores its shard of candidates, the per-prompt values are
+    gathered, and both ranks (so the run) skip and hint exactly as one process does."""
+    args = [*overrides(tmp_path, "essa", 4), "evaluation.strategy=batched"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    mpi_train(0, "--run-dir", str(one), sets=args)
+    mpi_train(2, "--run-dir", str(two), sets=args)
+    assert_same_adapter(one, two)
+    assert checkpoint_state(one) == checkpoint_state(two)
+    a, b = steps(one), steps(two)
+    assert all(a[g][key] == b[g][key] for g in a for key in (*INFORMATIVE_KEYS, "mean_fitness"))
+    assert sum(r["prompts_skipped"] for r in a.values()) > 0

@@ -12,7 +12,7 @@ Deviations from the paper (see ../shared/spec/essa.md §4):
 * CMA-ES steps are relative: coordinate i moves in units of its SFT singular value;
 * the exported solution is the distribution mean by default (``evaluation.select``), because the
   best candidate's mini-batch score is a lucky draw;
-* SFT time is included in the wall time we report (the paper excludes it).
+* SFT time is included in the wall time we report (the paper excludes it);
 * optional (off by default): GRESO prompt skipping and Scaf-GRPO hints on the shared prompts
   (``data.selection``, ``data.hints``; docs/informative-prompts.md), not in the ESSA paper.
 """

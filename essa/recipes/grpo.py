@@ -22,7 +22,7 @@ Deviations from the papers:
 * DAPO dynamic sampling draws at most ``MAX_SAMPLING_ROUNDS`` prompt batches per step and then
   trains on the groups it has (verl raises after ``max_num_gen_batches``);
 * the LR schedule and warm-up count rollout steps, not optimizer steps;
-* one process only: under MPI with two or more ranks the recipe refuses to start.
+* one process only: under MPI with two or more ranks the recipe refuses to start;
 * ``data.selection: greso`` refills each round to ``prompts_per_step`` instead of GRESO's
   adaptive over-sampling; ``data.hints`` uses reference-solution prefixes as Scaf-GRPO's tiers
   (docs/informative-prompts.md).
