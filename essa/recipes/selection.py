@@ -195,8 +195,11 @@ class Informative:
         taken = set(first)
         rest = rng.permutation([i for i in range(pool_size) if i not in taken]).tolist()
         order = [*first, *rest]
-        skip = [
-            skip_probability(self.record(i), self.p_easy, self.p_hard, self.selection.explore_floor)
+        floor = self.selection.explore_floor
+        skip = [  # a prompt without a record is never skipped (most of a large pool)
+            skip_probability(self.records[i], self.p_easy, self.p_hard, floor)
+            if i in self.records
+            else 0.0
             for i in order
         ]
         kept, skipped = choose(order, len(first), skip, rng.random(len(order)))
