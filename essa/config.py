@@ -97,6 +97,28 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class SelectionConfig:
+    """GRESO (arXiv 2506.02177): skip prompts whose recent visits had zero reward spread."""
+
+    name: Literal["none", "greso"] = "none"  # none: every drawn prompt is generated
+    explore_init: float = 0.5  # base exploration rate p (easy and hard) at the start
+    explore_min: float = 0.05  # p stays in [explore_min, explore_max]
+    explore_max: float = 0.95
+    explore_step: float = 0.01  # p moves this much per step toward the target ratio
+    explore_floor: float = 0.01  # a streak's prompt is always kept with at least this chance
+    target_zero_spread: float = 0.25  # zero-spread share aimed at (1/3 easy, 2/3 hard)
+
+
+@dataclass(frozen=True)
+class HintConfig:
+    """Scaf-GRPO tiered hints: reference-solution prefixes on prompts that stay at zero reward."""
+
+    after: int | None = None  # consecutive zero-reward visits before the first hint; None: off
+    tiers: int = 3  # tier t of T shows floor(n*t/(T+1)) of the solution's n lines/words/chars
+    format: str = "{question}\nHint: {hint}"  # the hinted question, before the template
+
+
+@dataclass(frozen=True)
 class DataConfig:
     source: str = (
         "builtin:arithmetic"  # builtin:NAME, a local .jsonl/.json/.csv/.parquet, or a hub id
@@ -113,6 +135,8 @@ class DataConfig:
     sft_size: int = 1000  # training examples reserved for the SFT stage (demo: 100)
     test_size: int = 1000  # held-out examples (builtin tasks have a fixed split)
     batch_size: int = 64  # prompts per generation, shared by all candidates
+    selection: SelectionConfig = field(default_factory=SelectionConfig)  # training prompts only
+    hints: HintConfig = field(default_factory=HintConfig)  # training prompts only, never held-out
 
 
 @dataclass(frozen=True)
@@ -540,6 +564,7 @@ def check_values(cfg: Config) -> None:
 
 def _check_data(cfg: Config) -> None:
     d = cfg.data
+    _check_informative(d.selection, d.hints)
     if d.system_prompt is not None and d.template not in ("chat", "auto"):
         raise ConfigError(
             f"data.system_prompt: applies to template chat only; template {d.template} has "
@@ -555,6 +580,33 @@ def _check_data(cfg: Config) -> None:
             "reward.params.params: gym_score regenerates the task, so it needs the same "
             f"parameters as data.params; got {gym_params} vs {d.params}"
         )
+
+
+def _check_informative(s: SelectionConfig, h: HintConfig) -> None:
+    if not 0.0 < s.explore_min <= s.explore_init <= s.explore_max <= 1.0:
+        raise ConfigError(
+            "data.selection: need 0 < explore_min <= explore_init <= explore_max <= 1, got "
+            f"{s.explore_min}, {s.explore_init}, {s.explore_max}"
+        )
+    for key, value in (
+        ("explore_step", s.explore_step),
+        ("explore_floor", s.explore_floor),
+        ("target_zero_spread", s.target_zero_spread),
+    ):
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"data.selection.{key}: must be in [0, 1], got {value}")
+    if h.after is not None and h.after < 1:
+        raise ConfigError(f"data.hints.after: must be >= 1 (or null: no hints), got {h.after}")
+    if h.tiers < 1:
+        raise ConfigError(f"data.hints.tiers: must be >= 1, got {h.tiers}")
+    try:
+        shown = h.format.format(question="\0", hint="\1")
+    except (KeyError, IndexError, ValueError) as err:
+        raise ConfigError(
+            f"data.hints.format: {h.format!r} must use only {{question}} and {{hint}} ({err})"
+        ) from None
+    if "\0" not in shown or "\1" not in shown:
+        raise ConfigError(f"data.hints.format: {h.format!r} must contain {{question}} and {{hint}}")
 
 
 def _check_heldout_metric(metric: str | None) -> None:

@@ -12,7 +12,9 @@ Deviations from the paper (see ../shared/spec/essa.md §4):
 * CMA-ES steps are relative: coordinate i moves in units of its SFT singular value;
 * the exported solution is the distribution mean by default (``evaluation.select``), because the
   best candidate's mini-batch score is a lucky draw;
-* SFT time is included in the wall time we report (the paper excludes it).
+* SFT time is included in the wall time we report (the paper excludes it);
+* optional (off by default): GRESO prompt skipping and Scaf-GRPO hints on the shared prompts
+  (``data.selection``, ``data.hints``; docs/informative-prompts.md), not in the ESSA paper.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from essa.types import AdapterVector, Example, Fitness, Population
 if TYPE_CHECKING:
     from essa.adapters.svd import SVDAdapter
     from essa.recipes.common import Task
+    from essa.recipes.selection import Informative
 
 Heldout = Callable[..., float]  # (vector, name=..., generation=..., final=...) -> score
 
@@ -90,6 +93,7 @@ def run(
         if state is None:
             state = _initial_state(cfg, h, evaluator, adapter, task, train_prompts, reward, heldout)
             h.log(_baseline_record(state, adapter.dim, memory_metrics(base_bytes)))
+        informative = _informative(cfg, tokenizer, state.get("informative"))
         h.say(
             f"ESSA: D={adapter.dim} singular-value offsets, population "
             f"{cfg.optimizer.population_size}, {cfg.data.batch_size} prompts/generation, "
@@ -98,8 +102,19 @@ def run(
         for step in h.steps(opt.generation, show=_shown):
             g = step.index
             record, population, fitness = _generation(
-                cfg, g, opt, evaluator, task.train, train_prompts, reward, h.comm, step.progress
+                cfg,
+                g,
+                opt,
+                evaluator,
+                task.train,
+                train_prompts,
+                reward,
+                h.comm,
+                step.progress,
+                informative,
             )
+            if informative is not None:
+                state["informative"] = informative.state_dict()
             track_best(state, population, fitness)
             if h.due(g, cfg.evaluation.every):
                 record["heldout_accuracy"] = heldout(opt.mean, generation=g)
@@ -144,6 +159,7 @@ def _generation(
     reward: Reward,
     comm: Comm,
     rows: Callable[[int], Phase] | None = None,
+    informative: Informative | None = None,
 ) -> tuple[dict[str, Any], Population, Fitness]:
     """One ask / evaluate / tell on every rank: the metrics record, population (P, D), fitness (P,)."""
     from essa.dist import check_replicas
@@ -153,7 +169,7 @@ def _generation(
     faults_before = fault_counts(reward, evaluator)
     population = opt.ask()  # (P, D), identical on every rank
     fitness, pool = shard_fitness(
-        cfg, g, population, evaluator, problems, prompts, reward, comm, rows
+        cfg, g, population, evaluator, problems, prompts, reward, comm, rows, informative
     )
     faults = fault_delta(faults_before, fault_counts(reward, evaluator))
     check_generation(g, fitness, faults, reward.name)
@@ -165,7 +181,23 @@ def _generation(
     record.update(world_size=comm.world_size, comm_bytes=comm.comm_bytes - bytes_before)
     record.update(faults)
     record.update(pool)  # majority_share, answered_share under pool: population
+    if informative is not None:  # prompts_skipped, rows_saved, prompts_hinted, ...
+        record.update(informative.end_step())
     return record, population, fitness
+
+
+def _informative(cfg: Config, tokenizer: Any, state: dict[str, Any] | None) -> Informative | None:
+    """The per-prompt history of data.selection / data.hints (None when both are off)."""
+    from essa.recipes import common
+    from essa.recipes.selection import Informative
+
+    d = cfg.data
+
+    def render(examples: list[Example]) -> list[str]:
+        return common.render_prompts(examples, d.template, tokenizer, d.system_prompt)
+
+    rows = cfg.optimizer.population_size * cfg.generation.samples_per_prompt
+    return Informative.build(d, cfg.run.seed, rows, render, state)
 
 
 def _initial_state(

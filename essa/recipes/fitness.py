@@ -27,6 +27,7 @@ from essa.types import AdapterVector, Example, Fitness, Population
 
 if TYPE_CHECKING:
     from essa.harness import Phase
+    from essa.recipes.selection import Informative
 
 
 def minibatch(n: int, size: int, seed: int, generation: int) -> np.ndarray:
@@ -172,13 +173,22 @@ def shard_fitness(
     reward: Reward,
     comm: Comm,
     rows: Callable[[int], Phase] | None = None,
+    informative: Informative | None = None,
 ) -> tuple[Fitness, dict[str, float]]:
-    """Evaluate this rank's shard on generation g's shared prompts; all-gather the fitness."""
+    """Evaluate this rank's shard on generation g's shared prompts; all-gather the fitness.
+
+    With ``informative`` (data.selection / data.hints) the shared prompts skip the predicted
+    uninformative ones and carry hints; every candidate still answers the same prompts.
+    """
     from essa.dist import shard
     from essa.rewards import fitness_from_rewards
 
-    idx = minibatch(len(train), cfg.data.batch_size, cfg.run.seed, g)
-    prompts = [train_prompts[i] for i in idx]
+    idx = minibatch(len(train), cfg.data.batch_size, cfg.run.seed, g).tolist()
+    if informative is None:
+        prompts = [train_prompts[i] for i in idx]
+    else:
+        idx = informative.draw(idx, len(train), (g,))
+        prompts = informative.prompts(idx, train, train_prompts)
     answers = [train[i].answer for i in idx]
     mine = population[shard(len(population), comm.rank, comm.world_size)]
     seed = cfg.run.seed * 100_003 + g
@@ -200,6 +210,10 @@ def shard_fitness(
     local = np.array([fitness_from_rewards(s) for s in graded])
     local[evaluator.nonfinite] = np.nan  # NaN/inf logits: graded text would be garbage
     local[~np.isfinite(local)] = np.nan  # +-inf fitness is a failed evaluation too
+    if informative is not None:  # every rank records the same (N, P) per-prompt rewards
+        values = prompt_values(graded, len(idx), k, evaluator.nonfinite)  # (p, N)
+        gathered = comm.allgather_fitness(values.ravel()).reshape(-1, len(idx))  # (P, N)
+        informative.observe(idx, gathered.T)
     # (P,) float64: with the pool's 8-byte answer keys, the only data crossing ranks
     reward_fitness = comm.allgather_fitness(local)
     if not weight:
@@ -237,3 +251,18 @@ def signal_metrics(fitness: Fitness, n_prompts: int) -> dict[str, float]:
         "margin_prompts": float((finite.max() - finite.mean()) * n_prompts),
         "spread_prompts": float(finite.std() * n_prompts),
     }
+
+
+def prompt_values(
+    graded: list[list[float | None]], num_prompts: int, k: int, nonfinite: np.ndarray
+) -> np.ndarray:
+    """(p, N): each candidate's mean reward over its k samples of each prompt (NaN where none
+    is gradable, or the candidate had non-finite logits)."""
+    rewards = np.array(
+        [[np.nan if r is None else float(r) for r in row] for row in graded], dtype=np.float64
+    ).reshape(len(graded), num_prompts, k)  # (p, N, k)
+    counts = np.isfinite(rewards).sum(-1)  # (p, N)
+    sums = np.where(np.isfinite(rewards), rewards, 0.0).sum(-1)
+    values = np.divide(sums, counts, out=np.full(counts.shape, np.nan), where=counts > 0)
+    values[np.asarray(nonfinite, dtype=bool)] = np.nan
+    return values

@@ -22,7 +22,10 @@ Deviations from the papers:
 * DAPO dynamic sampling draws at most ``MAX_SAMPLING_ROUNDS`` prompt batches per step and then
   trains on the groups it has (verl raises after ``max_num_gen_batches``);
 * the LR schedule and warm-up count rollout steps, not optimizer steps;
-* one process only: under MPI with two or more ranks the recipe refuses to start.
+* one process only: under MPI with two or more ranks the recipe refuses to start;
+* ``data.selection: greso`` refills each round to ``prompts_per_step`` instead of GRESO's
+  adaptive over-sampling; ``data.hints`` uses reference-solution prefixes as Scaf-GRPO's tiers
+  (docs/informative-prompts.md).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from essa.types import Example
 
 if TYPE_CHECKING:
     from essa.recipes.common import Task
+    from essa.recipes.selection import Informative
 
 MAX_SAMPLING_ROUNDS = 4  # prompt batches drawn per step at most when groups are filtered
 
@@ -95,6 +99,7 @@ def run(
         state = h.restore(state, done=state["step"] if state else 0)
         if state is None:
             state = _initial_state(cfg, h, policy, tokenizer, data)
+        informative = _informative(cfg, tokenizer, state.get("informative"))
         h.say(
             f"GRPO ({g.loss}, trainable={g.trainable}): {policy.dim} parameters, "
             f"{g.prompts_per_step} prompts x G={g.group_size} per step, "
@@ -102,7 +107,16 @@ def run(
         )
         for step in h.steps(state["step"], show=_shown):
             record = train_step(
-                cfg, variant, policy, optimizer, tokenizer, reward, data, state, step.progress
+                cfg,
+                variant,
+                policy,
+                optimizer,
+                tokenizer,
+                reward,
+                data,
+                state,
+                step.progress,
+                informative,
             )
             if h.due(step.index, cfg.evaluation.every):
                 record["heldout_accuracy"] = heldout_accuracy(
@@ -175,6 +189,19 @@ class _Data:
         return cls(task.train, train_prompts, task.test, test_prompts)
 
 
+def _informative(cfg: Config, tokenizer: Any, state: dict[str, Any] | None) -> Informative | None:
+    """The per-prompt history of data.selection / data.hints (None when both are off)."""
+    from essa.recipes.common import render_prompts
+    from essa.recipes.selection import Informative
+
+    d = cfg.data
+
+    def render(examples: list[Example]) -> list[str]:
+        return render_prompts(examples, d.template, tokenizer, d.system_prompt)
+
+    return Informative.build(d, cfg.run.seed, cfg.grpo.group_size, render, state)
+
+
 # ---------------------------------------------------------------------------------------------
 # One step
 
@@ -197,8 +224,13 @@ def sample_groups(
     data: _Data,
     step: int,
     round_bar: Callable[[int], Phase] | None = None,
+    informative: Informative | None = None,
 ) -> tuple[_Groups, dict[str, float]]:
-    """Draw prompts, sample G completions each, score; resample when the variant filters."""
+    """Draw prompts, sample G completions each, score; resample when the variant filters.
+
+    With ``informative`` (data.selection / data.hints) each round's draw skips prompts
+    predicted uninformative (refilled from the rest) and hinted prompts carry their hint.
+    """
     g = cfg.grpo
     kept = _Groups([], [], [])
     sampled_rewards: list[torch.Tensor] = []
@@ -209,7 +241,12 @@ def sample_groups(
         idx = rng.choice(
             len(data.train), size=min(g.prompts_per_step, len(data.train)), replace=False
         ).tolist()
-        prompts = [data.train_prompts[i] for i in idx for _ in range(g.group_size)]
+        if informative is None:
+            texts = [data.train_prompts[i] for i in idx]
+        else:
+            idx = informative.draw(idx, len(data.train), (step, rounds))
+            texts = informative.prompts(idx, data.train, data.train_prompts)
+        prompts = [text for text in texts for _ in range(g.group_size)]
         answers = [data.train[i].answer for i in idx for _ in range(g.group_size)]
         seed = int(np.random.SeedSequence([cfg.run.seed, 10, step, rounds]).generate_state(1)[0])
         if round_bar is None:
@@ -226,6 +263,8 @@ def sample_groups(
                 lengths, max_length, g.overlong_buffer
             )
         rewards = rewards.view(len(idx), g.group_size)  # (N, G)
+        if informative is not None:
+            informative.observe(idx, rewards.double().numpy())
         sampled_rewards.append(rewards)
         new_tokens += int((out.completion_ids != tokenizer.pad_token_id).sum())  # as ESSA counts
         rounds += 1
@@ -260,6 +299,7 @@ def train_step(
     data: _Data,
     state: dict[str, Any],
     round_bar: Callable[[int], Phase] | None = None,
+    informative: Informative | None = None,
 ) -> dict[str, Any]:
     """Sample, score, form advantages and update; returns the step's metrics record.
 
@@ -268,8 +308,13 @@ def train_step(
     g = cfg.grpo
     step = state["step"]
     start = time.perf_counter()
-    groups, stats = sample_groups(cfg, variant, policy, tokenizer, reward, data, step, round_bar)
+    groups, stats = sample_groups(
+        cfg, variant, policy, tokenizer, reward, data, step, round_bar, informative
+    )
     record: dict[str, Any] = {"generation": step, **stats}
+    if informative is not None:  # prompts_skipped, rows_saved, prompts_hinted, ...
+        record.update(informative.end_step())
+        state["informative"] = informative.state_dict()
     if not groups.prompt_ids:  # every group was filtered away: nothing to learn from
         record.update(seconds=round(time.perf_counter() - start, 4), skipped=True)
         return record
