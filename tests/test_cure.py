@@ -4,7 +4,9 @@ branched rollout on the tiny in-process Qwen2, and `essa train` on the demo with
 from __future__ import annotations
 
 import copy
+import json
 import math
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -208,16 +210,18 @@ def test_cure_train_on_the_demo_logs_branches_then_switches_stage(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_cure_resume_matches_uninterrupted(tmp_path: Path) -> None:
-    """Killed after step 2 of 4 (stage 1 ends after step 3): the resumed run is bit-exact."""
-    small = [*CURE, "grpo.lr_schedule=constant", "grpo.cure.stage1_steps=3"]
+def test_cure_resume_after_a_kill_matches_uninterrupted(tmp_path: Path) -> None:
+    """SIGKILL while checkpointing step 3 of 4 (stage 1 ends after step 3): the resumed run
+    repeats step 3's critical tokens and branches, switches stage on time, and is bit-exact."""
+    small = [*CURE, "grpo.lr_schedule=constant", "grpo.cure.stage1_steps=3", "run.generations=4"]
     ref = tmp_path / "ref"
-    res = essa("train", "--run-dir", str(ref), *sets(*small, "run.generations=4"))
+    res = essa("train", "--run-dir", str(ref), *sets(*small))
     assert res.returncode == 0, res.stderr[-3000:]
-    run_dir = tmp_path / "split"
-    res = essa("train", "--run-dir", str(run_dir), *sets(*small, "run.generations=2"))
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = essa("train", "--resume", str(run_dir), *sets("run.generations=4"))
+    run_dir = tmp_path / "run"
+    res = essa("train", "--run-dir", str(run_dir), *sets(*small), env={"ESSA_FAULT": "kill@3"})
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    assert json.loads((run_dir / "checkpoint" / "state.json").read_text())["step"] == 2
+    res = essa("train", "--resume", str(run_dir))
     assert res.returncode == 0, res.stderr[-3000:]
     a = load_file(str(ref / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
