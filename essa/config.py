@@ -194,6 +194,19 @@ class RunConfig:
     report_to: tuple[Literal["tensorboard", "wandb", "trackio"], ...] = ()
 
 
+@dataclass(frozen=True)
+class CureConfig:
+    """CURE stage 1 (Li et al., arXiv 2508.11016): branch each rollout at a critical token.
+
+    docs/cure.md: the rule, the reference's settings and where we deviate.
+    """
+
+    use_branching: bool = False  # stage 1 on: re-generate from high-entropy critical tokens
+    top_k_tokens: int = 20  # the critical token is drawn among a rollout's K most uncertain
+    branches: int = 3  # n2 re-generations per original; group_size = n1 * (1 + branches)
+    stage1_steps: int | None = None  # steps that branch, then plain sampling (None: all)
+
+
 GRPOLoss = Literal["grpo", "dr_grpo", "dapo", "ngrpo", "w_reinforce", "psr", "nsr", "dcpo"]
 
 
@@ -218,6 +231,7 @@ class GRPOConfig:
     trainable: Literal["lora", "singular_values", "lisa"] = "lora"  # singular_values: SVD-GRPO
     lisa: LisaConfig = field(default_factory=LisaConfig)  # trainable: lisa (SFT LoRA merged first)
     overlong_buffer: int = 0  # DAPO soft overlong punishment L_cache in tokens (0: off)
+    cure: CureConfig = field(default_factory=CureConfig)  # critical-token branching (off)
 
 
 @dataclass(frozen=True)
@@ -724,6 +738,22 @@ def _check_grpo(g: GRPOConfig, max_new_tokens: int) -> None:
         raise ConfigError(
             f"grpo.overlong_buffer: {g.overlong_buffer} exceeds generation.max_new_tokens "
             f"({max_new_tokens})"
+        )
+    _check_cure(g)
+
+
+def _check_cure(g: GRPOConfig) -> None:
+    c = g.cure
+    counts = {"grpo.cure.top_k_tokens": c.top_k_tokens, "grpo.cure.branches": c.branches}
+    if c.stage1_steps is not None:
+        counts["grpo.cure.stage1_steps"] = c.stage1_steps
+    for key, value in counts.items():
+        if value < 1:
+            raise ConfigError(f"{key}: must be >= 1, got {value}")
+    if c.use_branching and g.group_size % (1 + c.branches):
+        raise ConfigError(
+            f"grpo.group_size: with grpo.cure.branches={c.branches} a group is n1 originals x "
+            f"(1 + {c.branches}), so it must be a multiple of {1 + c.branches}, got {g.group_size}"
         )
 
 

@@ -7,6 +7,8 @@ take ``grpo.num_iterations`` AdamW steps on the variant's clipped surrogate (+ b
 the frozen SFT adapter); log and checkpoint. Held-out accuracy is greedy, on the same fixed test
 split as ESSA, every ``evaluation.every`` steps, and never feeds back into training.
 Formulas and presets: essa/recipes/grpo_losses.py and ../shared/spec/grpo-family.md.
+With ``grpo.cure.use_branching``, CURE's first stage (essa/recipes/cure.py, docs/cure.md) fills
+each group with originals and their branches from high-entropy critical tokens.
 
 Trainable sets (``grpo.trainable``): ``lora`` continues training the SFT adapter's LoRA
 factors; ``singular_values`` trains only offsets to the SFT singular values, in exactly ESSA's
@@ -45,6 +47,7 @@ from essa.config import Config, to_dict
 from essa.dist import Comm
 from essa.errors import UserError
 from essa.harness import Harness, Phase
+from essa.recipes import cure
 from essa.recipes import grpo_losses as losses
 from essa.recipes.grpo_policy import Policy, Rollout, merge, rollout, select, token_logprobs
 from essa.rewards.base import Reward
@@ -236,6 +239,8 @@ def sample_groups(
     sampled_rewards: list[torch.Tensor] = []
     new_tokens = 0
     rounds = 0
+    cure_tally = cure.Tally()
+    sample = cure.branching(cure_tally) if cure.is_active(g.cure, step) else rollout
     while rounds < MAX_SAMPLING_ROUNDS and len(kept.prompt_ids) < g.prompts_per_step:
         rng = np.random.default_rng(np.random.SeedSequence([cfg.run.seed, 9, step, rounds]))
         idx = rng.choice(
@@ -250,10 +255,10 @@ def sample_groups(
         answers = [data.train[i].answer for i in idx for _ in range(g.group_size)]
         seed = int(np.random.SeedSequence([cfg.run.seed, 10, step, rounds]).generate_state(1)[0])
         if round_bar is None:
-            out = rollout(policy, tokenizer, prompts, cfg, seed)
+            out = sample(policy, tokenizer, prompts, cfg, seed)
         else:
             with round_bar(len(prompts)) as bar:
-                out = rollout(policy, tokenizer, prompts, cfg, seed, progress=bar.advance)
+                out = sample(policy, tokenizer, prompts, cfg, seed, progress=bar.advance)
         scores = reward(out.texts, answers, prompts)
         rewards = torch.tensor([math.nan if s is None else float(s) for s in scores])  # (B,)
         if g.overlong_buffer:
@@ -285,6 +290,7 @@ def sample_groups(
         "groups_kept": len(kept.prompt_ids),
         "sampling_rounds": rounds,
         "new_tokens": new_tokens,
+        **(cure_tally.metrics() if g.cure.use_branching else {}),
     }
     return kept, stats
 

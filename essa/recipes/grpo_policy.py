@@ -159,14 +159,36 @@ def rollout(
 
     ``progress(rows)`` is called after each micro-batch.
     """
+    batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
+    return rollout_from_ids(
+        policy, tokenizer, batch["input_ids"], batch["attention_mask"], cfg, seed, progress
+    )
+
+
+@torch.no_grad()
+def rollout_from_ids(
+    policy: Policy,
+    tokenizer: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cfg: Config,
+    seed: int,
+    progress: Callable[[int], None] | None = None,
+    budgets: torch.Tensor | None = None,
+) -> Rollout:
+    """:func:`rollout` from left-padded token ids (B, P); ``budgets`` (B,) caps each row's
+    completion length (default ``generation.max_new_tokens``): tokens past a row's budget are
+    dropped as if never sampled, and a row without EOS within it is truncated.
+    """
     model = policy.model
     device = next(model.parameters()).device
-    batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    max_new_tokens = cfg.generation.max_new_tokens if budgets is None else int(budgets.max())
     torch.manual_seed(seed)  # HF sampling draws from the global torch RNG
     chunks = []
     size = cfg.evaluation.micro_batch_size
     with policy.inference():
-        for start in range(0, len(prompts), size):
+        for start in range(0, len(input_ids), size):
             part = {k: v[start : start + size].to(device) for k, v in batch.items()}
             out = model.generate(
                 **part,
@@ -174,7 +196,7 @@ def rollout(
                 temperature=cfg.grpo.temperature,
                 top_p=cfg.generation.top_p,
                 top_k=0,
-                max_new_tokens=cfg.generation.max_new_tokens,
+                max_new_tokens=max_new_tokens,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
             )
@@ -188,12 +210,16 @@ def rollout(
             for c in chunks
         ]
     )
-    is_eos = completion == tokenizer.eos_token_id  # (B, T)
+    room = torch.ones_like(completion, dtype=torch.bool)  # (B, T)
+    if budgets is not None:
+        room = torch.arange(width)[None, :] < budgets[:, None]
+        completion = completion.masked_fill(~room, tokenizer.pad_token_id)
+    is_eos = (completion == tokenizer.eos_token_id) & room  # (B, T)
     # Keep tokens up to and including the first EOS (pad may equal EOS, so do not test pad).
-    mask = (torch.cumsum(is_eos, dim=1) - is_eos.long()) == 0  # (B, T)
+    mask = ((torch.cumsum(is_eos, dim=1) - is_eos.long()) == 0) & room  # (B, T)
     return Rollout(
-        input_ids=torch.cat([batch["input_ids"], completion], dim=1),
-        attention_mask=torch.cat([batch["attention_mask"], mask.long()], dim=1),
+        input_ids=torch.cat([input_ids, completion], dim=1),
+        attention_mask=torch.cat([attention_mask, mask.long()], dim=1),
         completion_ids=completion,
         mask=mask.float(),
         truncated=~is_eos.any(dim=1),
