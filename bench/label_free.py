@@ -33,13 +33,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import write_result
+from bench.common import read_result, write_result
 from bench.demo import run_seed
 
 RESULTS = Path("bench/results")
 SETTINGS: dict[str, list[str]] = {
     "labelled": [],
     "pool": ["reward.name=majority_vote", "reward.params.pool=population"],
+    # TTRL's own setting: the vote is over sampled completions (here all candidates' k = 4
+    # samples at temperature 1), so each candidate is rewarded for the share of its samples
+    # that agree with the population's mode, not for agreeing with its greedy neighbours.
+    "pool_sampled": [
+        "reward.name=majority_vote",
+        "reward.params.pool=population",
+        "generation.temperature=1.0",
+        "generation.samples_per_prompt=4",
+    ],
     "rlsc": ["reward.name=self_confidence"],
 }
 COMMON = ["evaluation.use_scale_baseline=false"]  # the no-search baseline needs labels to mean much
@@ -101,7 +110,8 @@ def table(result: dict[str, Any]) -> str:
     ]
     names = {
         "labelled": "math_accuracy (yes)",
-        "pool": "majority_vote, pool: population (no)",
+        "pool": "majority_vote, pool: population, greedy (no)",
+        "pool_sampled": "majority_vote, pool: population, k=4 samples at T=1 (no)",
         "rlsc": "self_confidence, RLSC (no)",
     }
     for setting, s in result["summary"].items():
@@ -128,15 +138,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
     axes[0].set_xlabel("generation")
     axes[0].set_ylabel("held-out accuracy (true answers)")
     axes[0].legend()
-    for i, run in enumerate(result["runs"].get("pool", [])):
-        trace = run["pool_trace"]
-        if trace:
+    for j, setting in enumerate(k for k in result["runs"] if k.startswith("pool")):
+        for i, run in enumerate(result["runs"][setting]):
+            trace = run["pool_trace"]
+            if not trace:
+                continue
             g, share, correct = zip(*trace, strict=True)
-            axes[1].plot(
-                g, share, color="C1", alpha=0.6, label="majority share" if i == 0 else None
-            )
-            axes[1].plot(g, correct, color="C2", alpha=0.6,
-                         label="vote = true answer" if i == 0 else None)  # fmt: skip
+            style = "-" if j == 0 else "--"
+            axes[1].plot(g, share, style, color="C1", alpha=0.6,
+                         label=f"majority share ({setting})" if i == 0 else None)  # fmt: skip
+            axes[1].plot(g, correct, style, color="C2", alpha=0.6,
+                         label=f"vote = true answer ({setting})" if i == 0 else None)  # fmt: skip
     axes[1].set_xlabel("generation")
     axes[1].set_title("population pool: agreement vs correctness of the vote")
     axes[1].legend()
@@ -152,7 +164,12 @@ def main() -> None:
     parser.add_argument("--root", default="runs/bench-label-free")
     args = parser.parse_args()
     root = Path(args.root)
-    result: dict[str, Any] = {"runs": {}, "summary": {}}
+    # Settings not rerun keep their recorded runs (one file, one table).
+    previous = read_result("label_free") or {}
+    result: dict[str, Any] = {
+        "runs": {k: v for k, v in previous.get("runs", {}).items() if k not in args.settings},
+        "summary": {k: v for k, v in previous.get("summary", {}).items() if k not in args.settings},
+    }
     for setting in args.settings:
         runs = []
         for seed in args.seeds:
@@ -168,8 +185,10 @@ def main() -> None:
         result["runs"][setting] = runs
         result["summary"][setting] = summarise(runs)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    command = "python -m bench.label_free " + " ".join(sys.argv[1:])
-    write_result("label_free", result, command.strip())
+    command = ("python -m bench.label_free " + " ".join(sys.argv[1:])).strip()
+    kept = previous.get("commands") or dict.fromkeys(result["runs"], previous.get("command"))
+    result["commands"] = {**kept, **dict.fromkeys(args.settings, command)}
+    write_result("label_free", result, command)
     plot(result, RESULTS / "label_free.png")
     print(table(result))
 

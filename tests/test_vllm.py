@@ -150,7 +150,11 @@ def equivalence(tmp_path_factory: pytest.TempPathFactory) -> dict:
     _, test = builtin_examples("builtin:arithmetic")
     prompts = [ex.prompt for ex in test[:24]]
     hf = PopulationEvaluator(base, tokenizer, adapter, cfg.generation, cfg.evaluation)
-    hf_completions = [hf.completions(p, prompts) for p in populations]
+    hf.record_logprobs = True  # the decode loop's own log-probs of the tokens it generated
+    hf_completions, hf_logprobs = [], []
+    for population in populations:
+        hf_completions.append(hf.completions(population, prompts))
+        hf_logprobs.append(hf.last_logprobs)
 
     request = {
         "model": str(DEMO),
@@ -170,6 +174,7 @@ def equivalence(tmp_path_factory: pytest.TempPathFactory) -> dict:
     result = json.loads((tmp / "out.json").read_text())
     return {
         "hf": hf_completions,
+        "hf_logprobs": hf_logprobs,
         "vllm": result,
         "populations": populations,
         "prompts": prompts,
@@ -231,6 +236,23 @@ def test_vllm_logprobs_match_hf_teacher_forcing(equivalence: dict) -> None:
                 np.testing.assert_allclose(vllm_lp, hf_lp.numpy(), atol=2e-3)
                 checked += 1
     assert checked == 12
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_hf_generated_logprobs_match_vllm(equivalence: dict) -> None:
+    """The log-probs RLSC's self_confidence reads on each backend: the HF decode loop's, from
+    the forward that generated the token, and vLLM's sampled-token log-probs, per candidate,
+    agree within 2e-3 on every generated token (stop token included)."""
+    hf, vllm = equivalence["hf_logprobs"], equivalence["vllm"]["logprobs"]
+    tokens = 0
+    for hf_pop, vllm_pop in zip(hf, vllm, strict=True):
+        for hf_cand, vllm_cand in zip(hf_pop, vllm_pop, strict=True):
+            for a, b in zip(hf_cand, vllm_cand, strict=True):
+                assert len(a) == len(b) > 0
+                np.testing.assert_allclose(a, b, atol=2e-3)
+                tokens += len(a)
+    assert tokens >= 2 * 4 * len(equivalence["prompts"])  # every row, at least one token
 
 
 # --------------------------------------------------------------------- essa train end to end
