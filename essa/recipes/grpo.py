@@ -43,6 +43,7 @@ from essa.dist import Comm
 from essa.errors import UserError
 from essa.harness import Harness, Phase
 from essa.recipes import grpo_losses as losses
+from essa.recipes import grpo_replay as replay
 from essa.recipes.grpo_policy import Policy, Rollout, merge, rollout, select, token_logprobs
 from essa.rewards.base import Reward
 from essa.rundir import atomic_dir, recover, storage_error
@@ -82,6 +83,11 @@ def run(
     h.check_heldout(task.test)  # before the model loads
     # Group rewards work as is: each prompt's G completions come in one call.
     reward = load_reward(cfg.reward, recipe="GRPO", groups=True, deadline=False)
+    if g.replay.capacity and reward.is_group:
+        raise UserError(
+            f"grpo.replay: replays verified successes, but reward {cfg.reward.name} is a group "
+            "reward (its score depends on the other completions); use a verifiable reward"
+        )
     with h:  # the trackers close whatever happens
         model, tokenizer = common.load_base_model(cfg, h)
         base_bytes = model_bytes(model)  # the base weights as stored, as ESSA reports them
@@ -95,6 +101,9 @@ def run(
         state = h.restore(state, done=state["step"] if state else 0)
         if state is None:
             state = _initial_state(cfg, h, policy, tokenizer, data)
+            if g.replay.seed_file is not None:
+                state["replay"] = _seed_replay(cfg, h, tokenizer, data, reward)
+        state.setdefault("replay", [])  # checkpoints written before replay existed
         h.say(
             f"GRPO ({g.loss}, trainable={g.trainable}): {policy.dim} parameters, "
             f"{g.prompts_per_step} prompts x G={g.group_size} per step, "
@@ -128,7 +137,25 @@ def _initial_state(
             "variant": _preset(cfg),
         }
     )
-    return {"step": 0, "baseline_accuracy": baseline, "elapsed": 0.0, "history": {}}
+    return {"step": 0, "baseline_accuracy": baseline, "elapsed": 0.0, "history": {}, "replay": []}
+
+
+def _seed_replay(cfg: Config, h: Harness, tokenizer: Any, data: _Data, reward: Reward) -> list[Any]:
+    """The replay buffer seeded from ``grpo.replay.seed_file`` (RLEP's first phase), as JSON."""
+    r = cfg.grpo.replay
+    assert r.seed_file is not None
+    answers = [e.answer for e in data.train]
+    found, report = replay.seed_experiences(
+        r.seed_file, tokenizer, data.train_prompts, answers, reward, r.min_reward
+    )
+    buffer = replay.ReplayBuffer(r.capacity, [])
+    buffer.add(found)
+    h.say(
+        f"replay: seeded {len(buffer.entries)} verified completions from {r.seed_file} "
+        f"({report.lines} lines: {report.unmatched} not training prompts of this run, "
+        f"{report.failed} below min_reward {r.min_reward})"
+    )
+    return buffer.to_json()
 
 
 def _beta(cfg: Config) -> float:
@@ -172,7 +199,8 @@ class _Data:
         from essa.recipes.common import render_splits
 
         train_prompts, test_prompts = render_splits(task, cfg.data, tokenizer)
-        return cls(task.train, train_prompts, task.test, test_prompts)
+        n = cfg.grpo.train_examples  # 1-shot RLVR: the first training prompt only
+        return cls(task.train[:n], train_prompts[:n], task.test, test_prompts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,11 +209,27 @@ class _Data:
 
 @dataclass
 class _Groups:
-    """The step's training batch: kept groups of G completions."""
+    """The step's training batch: kept groups of G fresh completions and their replays."""
 
     rollouts: list[Rollout]
-    rewards: list[torch.Tensor]  # (n_i, G) per round
+    rewards: list[torch.Tensor]  # (n_i, G + k) per round; NaN where a group has < k replays
     prompt_ids: list[int]  # stable training-set index of each kept group
+    replays: list[list[replay.Experience]]  # each kept group's replayed successes (<= k)
+
+
+def replay_count(cfg: Config) -> int:
+    """k: replayed completions per group (0 without replay)."""
+    r = cfg.grpo.replay
+    return round(r.ratio * cfg.grpo.group_size) if r.capacity and r.ratio > 0 else 0
+
+
+def _draw_prompts(cfg: Config, n_train: int, step: int, rounds: int) -> list[int]:
+    """One round's prompt indices; a training set smaller than a step (1-shot) repeats."""
+    g = cfg.grpo
+    rng = np.random.default_rng(np.random.SeedSequence([cfg.run.seed, 9, step, rounds]))
+    if g.train_examples is not None and n_train < g.prompts_per_step:
+        return rng.choice(n_train, size=g.prompts_per_step, replace=True).tolist()
+    return rng.choice(n_train, size=min(g.prompts_per_step, n_train), replace=False).tolist()
 
 
 def sample_groups(
@@ -197,26 +241,30 @@ def sample_groups(
     data: _Data,
     step: int,
     round_bar: Callable[[int], Phase] | None = None,
-) -> tuple[_Groups, dict[str, float]]:
-    """Draw prompts, sample G completions each, score; resample when the variant filters."""
+    buffer: replay.ReplayBuffer | None = None,
+) -> tuple[_Groups, list[replay.Experience], dict[str, float]]:
+    """Draw prompts, sample G completions each, score, add replays; resample when filtered.
+
+    Returns the kept groups, the fresh verified successes (for the buffer) and the stats.
+    """
     g = cfg.grpo
-    kept = _Groups([], [], [])
+    k = replay_count(cfg) if buffer is not None else 0
+    temperature = temperature_at(step, cfg)
+    kept = _Groups([], [], [], [])
+    found: list[replay.Experience] = []
     sampled_rewards: list[torch.Tensor] = []
     new_tokens = 0
     rounds = 0
     while rounds < MAX_SAMPLING_ROUNDS and len(kept.prompt_ids) < g.prompts_per_step:
-        rng = np.random.default_rng(np.random.SeedSequence([cfg.run.seed, 9, step, rounds]))
-        idx = rng.choice(
-            len(data.train), size=min(g.prompts_per_step, len(data.train)), replace=False
-        ).tolist()
+        idx = _draw_prompts(cfg, len(data.train), step, rounds)
         prompts = [data.train_prompts[i] for i in idx for _ in range(g.group_size)]
         answers = [data.train[i].answer for i in idx for _ in range(g.group_size)]
         seed = int(np.random.SeedSequence([cfg.run.seed, 10, step, rounds]).generate_state(1)[0])
         if round_bar is None:
-            out = rollout(policy, tokenizer, prompts, cfg, seed)
+            out = rollout(policy, tokenizer, prompts, cfg, seed, temperature=temperature)
         else:
             with round_bar(len(prompts)) as bar:
-                out = rollout(policy, tokenizer, prompts, cfg, seed, progress=bar.advance)
+                out = rollout(policy, tokenizer, prompts, cfg, seed, bar.advance, temperature)
         scores = reward(out.texts, answers, prompts)
         rewards = torch.tensor([math.nan if s is None else float(s) for s in scores])  # (B,)
         if g.overlong_buffer:
@@ -225,20 +273,29 @@ def sample_groups(
             rewards = rewards + losses.soft_overlong_punishment(
                 lengths, max_length, g.overlong_buffer
             )
+        if buffer is not None:
+            rows = [i for i in idx for _ in range(g.group_size)]
+            found.extend(replay.successes(out, rewards, rows, g.replay.min_reward))
         rewards = rewards.view(len(idx), g.group_size)  # (N, G)
         sampled_rewards.append(rewards)
         new_tokens += int((out.completion_ids != tokenizer.pad_token_id).sum())  # as ESSA counts
+        replays: list[list[replay.Experience]] = [[] for _ in idx]
+        if k:
+            rng = np.random.default_rng(np.random.SeedSequence([cfg.run.seed, 11, step, rounds]))
+            replays = buffer.draw(idx, k, rng)  # type: ignore[union-attr]
+        mixed = replay.mixed_group_rewards(rewards, replays, k)  # (N, G + k)
         rounds += 1
-        keep = losses.groups_to_keep(rewards, variant.group_filter)  # (N,)
+        keep = losses.groups_to_keep(mixed, variant.group_filter)  # (N,) over the mixed groups
         room = g.prompts_per_step - len(kept.prompt_ids)
         chosen = torch.nonzero(keep).flatten()[:room]  # (n,)
         if chosen.numel() == 0:
             continue
-        rows = (chosen[:, None] * g.group_size + torch.arange(g.group_size)).flatten()  # (n*G,)
-        kept.rollouts.append(select(out, rows))
-        kept.rewards.append(rewards[chosen])
+        rows_kept = (chosen[:, None] * g.group_size + torch.arange(g.group_size)).flatten()
+        kept.rollouts.append(select(out, rows_kept))  # (n*G) rows
+        kept.rewards.append(mixed[chosen])
         kept.prompt_ids.extend(idx[i] for i in chosen.tolist())
-    every = torch.cat(sampled_rewards)  # (N_all, G)
+        kept.replays.extend(replays[i] for i in chosen.tolist())
+    every = torch.cat(sampled_rewards)  # (N_all, G) fresh rewards only: the policy's own
     _, std = losses.group_mean_std(every)
     stats = {
         "mean_reward": float(torch.nanmean(every)),
@@ -246,8 +303,29 @@ def sample_groups(
         "groups_kept": len(kept.prompt_ids),
         "sampling_rounds": rounds,
         "new_tokens": new_tokens,
+        "temperature": temperature,
     }
-    return kept, stats
+    return kept, found, stats
+
+
+def _training_batch(
+    groups: _Groups, data: _Data, tokenizer: Any, group_size: int
+) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
+    """The fresh rows (group-major) then the replayed rows, with each row's group and slot.
+
+    Returns (batch, group index (B,), slot index (B,) into the (N, G + k) rewards).
+    """
+    n = len(groups.prompt_ids)
+    group_index = torch.arange(n).repeat_interleave(group_size)  # (N*G,)
+    slot = torch.arange(group_size).repeat(n)  # (N*G,)
+    replayed = [(i, j, e) for i, group in enumerate(groups.replays) for j, e in enumerate(group)]
+    parts = list(groups.rollouts)
+    if replayed:
+        prompts = [data.train_prompts[e.prompt_id] for _, _, e in replayed]
+        parts.append(replay.replay_rollout(tokenizer, prompts, [e for _, _, e in replayed]))
+        group_index = torch.cat([group_index, torch.tensor([i for i, _, _ in replayed])])
+        slot = torch.cat([slot, torch.tensor([group_size + j for _, j, _ in replayed])])
+    return merge(parts, tokenizer.pad_token_id), group_index, slot
 
 
 def train_step(
@@ -263,34 +341,46 @@ def train_step(
 ) -> dict[str, Any]:
     """Sample, score, form advantages and update; returns the step's metrics record.
 
-    ``round_bar(n)`` opens the progress bar of a sampling round of n completions.
+    ``round_bar(n)`` opens the progress bar of a sampling round of n completions. With
+    replay, ``state["replay"]`` (the buffer, JSON) is read and updated.
     """
     g = cfg.grpo
     step = state["step"]
     start = time.perf_counter()
-    groups, stats = sample_groups(cfg, variant, policy, tokenizer, reward, data, step, round_bar)
+    buffer = None
+    if g.replay.capacity:
+        buffer = replay.ReplayBuffer.from_json(g.replay.capacity, state["replay"])
+    groups, found, stats = sample_groups(
+        cfg, variant, policy, tokenizer, reward, data, step, round_bar, buffer
+    )
     record: dict[str, Any] = {"generation": step, **stats}
+    if buffer is not None:
+        record["replayed"] = sum(len(r) for r in groups.replays)
+        record["replay_added"] = buffer.add(found)  # after drawing: replays are from past steps
+        record["replay_buffer_size"] = len(buffer.entries)
+        state["replay"] = buffer.to_json()
     if not groups.prompt_ids:  # every group was filtered away: nothing to learn from
         record.update(seconds=round(time.perf_counter() - start, 4), skipped=True)
         return record
-    batch = merge(groups.rollouts, tokenizer.pad_token_id)
+    batch, group_index, slot = _training_batch(groups, data, tokenizer, g.group_size)
     history = _history_from_json(state["history"])
     adv, history = losses.advantages(variant, torch.cat(groups.rewards), groups.prompt_ids, history)
     state["history"] = _history_to_json(history)
-    mask = batch.mask * adv.keep.flatten()[:, None]  # (B, T)
+    values = adv.values[group_index, slot]  # (B,)
+    mask = batch.mask * adv.keep[group_index, slot][:, None]  # (B, T)
     if variant.use_truncation_mask:
         mask = mask * ~batch.truncated[:, None]  # overlong filtering (spec §5.4a)
-    group_index = torch.arange(len(groups.prompt_ids)).repeat_interleave(g.group_size)  # (B,)
     counts = losses.step_counts(mask, group_index, cfg.generation.max_new_tokens)
     for param_group in optimizer.param_groups:
         param_group["lr"] = g.lr * lr_factor(step, cfg)
-    updates = _update(cfg, variant, policy, optimizer, batch, adv.values.flatten(), mask, counts)
-    lengths = batch.mask.sum(-1)
+    updates = _update(cfg, variant, policy, optimizer, batch, values, mask, counts, step)
+    fresh = len(groups.prompt_ids) * g.group_size  # the first rows; replays follow
+    lengths = batch.mask[:fresh].sum(-1)
     seconds = time.perf_counter() - start
     record.update(updates)
     record.update(
         completion_length=float(lengths.mean()),
-        truncated_fraction=float(batch.truncated.float().mean()),
+        truncated_fraction=float(batch.truncated[:fresh].float().mean()),
         lr=optimizer.param_groups[0]["lr"],
         seconds=round(seconds, 4),
         tokens_per_second=round(record["new_tokens"] / seconds, 1) if seconds > 0 else None,
@@ -307,16 +397,26 @@ def _update(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     counts: losses.Counts,
+    step: int,
 ) -> dict[str, float]:
-    """``num_iterations`` AdamW steps on the batch, each accumulated over micro-batches."""
+    """``num_iterations`` AdamW steps on the batch, each accumulated over micro-batches.
+
+    The loss is the variant's surrogate, minus ``grpo.entropy.coef`` times the mean token
+    entropy over every completion token of the batch (``batch.mask``, not the loss mask).
+    """
     g = cfg.grpo
     beta = variant.beta if g.beta is None else g.beta
     t = batch.completion_ids.shape[1]
     chunks = [c for c in torch.arange(mask.shape[0]).chunk(g.grad_accumulation) if c.numel()]
+    temperature = temperature_at(step, cfg)  # log-probs of the distribution that sampled
+    completion_tokens = int(batch.mask.sum())
+    use_bonus = g.entropy.coef != 0.0
 
     def logprobs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ids, attention = batch.input_ids[rows], batch.attention_mask[rows]
-        return token_logprobs(policy.model, ids, attention, t, g.temperature)
+        return token_logprobs(
+            policy.model, ids, attention, t, temperature, g.entropy.floor, use_bonus
+        )
 
     with torch.no_grad():
         old_logp = torch.cat([logprobs(c)[0] for c in chunks]) if g.num_iterations > 1 else None
@@ -343,8 +443,15 @@ def _update(
                 epsilon_low=g.epsilon_low,
                 epsilon_high=g.epsilon_high,
             )
+            if use_bonus:
+                loss = loss + losses.entropy_bonus(
+                    entropy, batch.mask[rows], completion_tokens, g.entropy.coef
+                )
             loss.backward()
-            _accumulate(totals, loss, token, advantages[rows], mask[rows], entropy, counts)
+            _accumulate(totals, loss, token, advantages[rows], mask[rows], counts)
+            totals["entropy"] += float((entropy.detach() * batch.mask[rows]).sum()) / max(
+                completion_tokens, 1
+            )
         norm = _clip_gradients(policy.params, g.max_grad_norm)
         optimizer.step()
     return {**totals, "grad_norm": norm}
@@ -356,7 +463,6 @@ def _accumulate(
     token: losses.TokenLoss,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    entropy: torch.Tensor,
     counts: losses.Counts,
 ) -> None:
     """Token-weighted sums over micro-batches: every metric ends as a mean over the step."""
@@ -365,7 +471,6 @@ def _accumulate(
     totals["loss"] += float(loss.detach())
     totals["clip_low"] += low * share
     totals["clip_high"] += high * share
-    totals["entropy"] += float((entropy * mask).sum()) / max(counts.num_tokens, 1)
     if token.kl is not None:
         totals["kl"] += float((token.kl.detach() * mask).sum()) / max(counts.num_tokens, 1)
 
@@ -375,6 +480,23 @@ def _clip_gradients(params: list[torch.Tensor], max_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     grads = [p.grad.flatten() for p in params if p.grad is not None]
     return float(torch.cat(grads).norm()) if grads else 0.0
+
+
+def temperature_at(step: int, cfg: Config) -> float:
+    """The rollout temperature of ``step``: the last schedule stage started, else the base.
+
+    A pure function of the step, so a resumed run is at the same stage.
+
+    >>> from essa.config import GRPOConfig
+    >>> cfg = Config(grpo=GRPOConfig(temperature=0.6, temperature_schedule=((2, 0.8), (5, 1.0))))
+    >>> [temperature_at(s, cfg) for s in (0, 1, 2, 4, 5, 9)]
+    [0.6, 0.6, 0.8, 0.8, 1.0, 1.0]
+    """
+    temperature = cfg.grpo.temperature
+    for start, value in cfg.grpo.temperature_schedule:
+        if step >= start:
+            temperature = value
+    return temperature
 
 
 def lr_factor(step: int, cfg: Config) -> float:
@@ -526,6 +648,9 @@ def _finish(
     adapter_dir = h.run_dir / "adapter"
     with h.phase("export"):
         policy.export(adapter_dir, cfg.model.name_or_path)
+        if g.replay.capacity and h.is_root:
+            buffer = replay.ReplayBuffer.from_json(g.replay.capacity, state["replay"])
+            replay.write_buffer(h.run_dir / "replay.jsonl", buffer, data.train_prompts)
     summary = h.summary(
         baseline=state["baseline_accuracy"],
         final=final,
