@@ -696,8 +696,11 @@ def _check_grpo_extensions(g: GRPOConfig) -> None:
             f"grpo.replay.ratio: {r.ratio} x grpo.group_size {g.group_size} replays no "
             "completion per group (round(ratio * G) = 0); raise it or set 0 (off)"
         )
-    if (r.ratio > 0 or r.seed_file is not None) and r.capacity == 0:
-        raise ConfigError("grpo.replay.capacity: must be > 0 to replay (0 turns replay off)")
+    for key, used in (("ratio", r.ratio > 0), ("seed_file", r.seed_file is not None)):
+        if used and r.capacity == 0:
+            raise ConfigError(
+                f"grpo.replay.{key}: needs a buffer, grpo.replay.capacity > 0 (0 is off)"
+            )
     if g.train_examples is not None and g.train_examples < 1:
         raise ConfigError(f"grpo.train_examples: must be >= 1, got {g.train_examples}")
     last = -1.0
