@@ -20,10 +20,29 @@ from essa.recipes import grpo_losses as L
 from essa.recipes import grpo_replay as R
 from essa.recipes.grpo import Policy, _Groups, _training_batch, rollout, temperature_at
 from essa.recipes.grpo_policy import token_logprobs
-from tests.test_grpo_recipe import tiny  # noqa: F401  (the module fixture)
+from tests.test_grpo_recipe import TARGETS
 
 NAN = math.nan
 H_075 = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))  # entropy of (0.75, 0.25): 0.5623
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> tuple[torch.nn.Module, object]:
+    """(peft_model, tokenizer): the tiny Qwen2 with a random (non-zero B) LoRA."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.padding_side = "left"
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
+    peft_model = get_peft_model(base, lora).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+    return peft_model, tokenizer
 
 
 def experience(prompt_id: int, *ids: int, reward: float = 1.0) -> R.Experience:
