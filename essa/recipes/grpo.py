@@ -4,7 +4,11 @@ The loop, per step: draw ``grpo.prompts_per_step`` training prompts; sample ``gr
 completions of each at ``grpo.temperature``; score them with the configured reward; form the
 variant's group advantages (resampling away degenerate groups when the variant filters them);
 take ``grpo.num_iterations`` AdamW steps on the variant's clipped surrogate (+ beta * k3 KL to
-the frozen SFT adapter); log and checkpoint. Held-out accuracy is greedy, on the same fixed test
+the frozen SFT adapter, − ``grpo.entropy.coef`` * mean token entropy); log and checkpoint.
+Optional, all off by default (docs/grpo-rlep-entropy.md): RLEP replay (``grpo.replay``: stored
+successes join their prompt's group, essa/recipes/grpo_replay.py), an ERA-style entropy floor on
+the logits (``grpo.entropy.floor``), a staged temperature (``grpo.temperature_schedule``) and a
+training subset (``grpo.train_examples``, 1-shot RLVR). Held-out accuracy is greedy, on the same fixed test
 split as ESSA, every ``evaluation.every`` steps, and never feeds back into training.
 Formulas and presets: essa/recipes/grpo_losses.py and ../shared/spec/grpo-family.md.
 
@@ -22,6 +26,8 @@ Deviations from the papers:
 * DAPO dynamic sampling draws at most ``MAX_SAMPLING_ROUNDS`` prompt batches per step and then
   trains on the groups it has (verl raises after ``max_num_gen_batches``);
 * the LR schedule and warm-up count rollout steps, not optimizer steps;
+* the ERA-style entropy floor is our reading of ERA's abstract, not its published activation;
+* logged ``entropy`` is the mean over all completion tokens of the batch (not the loss mask);
 * one process only: under MPI with two or more ranks the recipe refuses to start.
 """
 
@@ -265,14 +271,7 @@ def sample_groups(
         else:
             with round_bar(len(prompts)) as bar:
                 out = rollout(policy, tokenizer, prompts, cfg, seed, bar.advance, temperature)
-        scores = reward(out.texts, answers, prompts)
-        rewards = torch.tensor([math.nan if s is None else float(s) for s in scores])  # (B,)
-        if g.overlong_buffer:
-            lengths = out.mask.sum(-1)  # (B,)
-            max_length = cfg.generation.max_new_tokens
-            rewards = rewards + losses.soft_overlong_punishment(
-                lengths, max_length, g.overlong_buffer
-            )
+        rewards = _score(cfg, reward, out, answers, prompts)  # (B,)
         if buffer is not None:
             rows = [i for i in idx for _ in range(g.group_size)]
             found.extend(replay.successes(out, rewards, rows, g.replay.min_reward))
@@ -280,9 +279,9 @@ def sample_groups(
         sampled_rewards.append(rewards)
         new_tokens += int((out.completion_ids != tokenizer.pad_token_id).sum())  # as ESSA counts
         replays: list[list[replay.Experience]] = [[] for _ in idx]
-        if k:
+        if k and buffer is not None:
             rng = np.random.default_rng(np.random.SeedSequence([cfg.run.seed, 11, step, rounds]))
-            replays = buffer.draw(idx, k, rng)  # type: ignore[union-attr]
+            replays = buffer.draw(idx, k, rng)
         mixed = replay.mixed_group_rewards(rewards, replays, k)  # (N, G + k)
         rounds += 1
         keep = losses.groups_to_keep(mixed, variant.group_filter)  # (N,) over the mixed groups
@@ -306,6 +305,21 @@ def sample_groups(
         "temperature": temperature,
     }
     return kept, found, stats
+
+
+def _score(
+    cfg: Config, reward: Reward, out: Rollout, answers: list[str | None], prompts: list[str]
+) -> torch.Tensor:
+    """(B,) rewards of a round, NaN where ungradable, plus DAPO's overlong shaping when on."""
+    scores = reward(out.texts, answers, prompts)
+    rewards = torch.tensor([math.nan if s is None else float(s) for s in scores])  # (B,)
+    if cfg.grpo.overlong_buffer:
+        lengths = out.mask.sum(-1)  # (B,)
+        max_length = cfg.generation.max_new_tokens
+        rewards = rewards + losses.soft_overlong_punishment(
+            lengths, max_length, cfg.grpo.overlong_buffer
+        )
+    return rewards
 
 
 def _training_batch(
