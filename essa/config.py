@@ -207,6 +207,24 @@ class CureConfig:
     stage1_steps: int | None = None  # steps that branch, then plain sampling (None: all)
 
 
+@dataclass(frozen=True)
+class ReplayConfig:
+    """RLEP experience replay (arXiv 2507.07451): verified successes replayed into their groups."""
+
+    capacity: int = 0  # completions the buffer holds (FIFO); 0: off (no collection, no replay)
+    ratio: float = 0.0  # replayed completions per fresh one in a group: k = round(ratio * G)
+    min_reward: float = 1.0  # a completion is a verified success when its reward >= this
+    seed_file: str | None = None  # JSONL of {"prompt", "completion"} (e.g. a run's replay.jsonl)
+
+
+@dataclass(frozen=True)
+class EntropyConfig:
+    """Entropy control: 1-shot RLVR's bonus and an ERA-style entropy floor (our reading)."""
+
+    coef: float = 0.0  # loss -= coef * mean token entropy over completion tokens (0: off)
+    floor: float = 0.0  # ERA-style activation: per-token entropy kept >= floor nats (0: off)
+
+
 GRPOLoss = Literal["grpo", "dr_grpo", "dapo", "ngrpo", "w_reinforce", "psr", "nsr", "dcpo"]
 
 
@@ -218,6 +236,9 @@ class GRPOConfig:
     group_size: int = 8  # G completions sampled per prompt
     prompts_per_step: int = 8  # prompts per rollout step (G x this completions)
     temperature: float = 1.0  # rollout sampling; held-out accuracy stays greedy (generation.*)
+    # AceReason staged temperature: [[step, temperature], ...]; from each step on, rollouts
+    # sample at that temperature (before the first listed step: grpo.temperature).
+    temperature_schedule: tuple[tuple[float, ...], ...] = ()
     num_iterations: int = 1  # optimizer steps per rollout (mu); > 1 uses old log-probs
     beta: float | None = None  # k3 KL to the frozen SFT adapter (None: the preset's)
     epsilon_low: float | None = None  # ratio clip 1 - epsilon_low (None: the preset's)
@@ -232,6 +253,9 @@ class GRPOConfig:
     lisa: LisaConfig = field(default_factory=LisaConfig)  # trainable: lisa (SFT LoRA merged first)
     overlong_buffer: int = 0  # DAPO soft overlong punishment L_cache in tokens (0: off)
     cure: CureConfig = field(default_factory=CureConfig)  # critical-token branching (off)
+    train_examples: int | None = None  # only the first N training prompts (1-shot RLVR: 1)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    entropy: EntropyConfig = field(default_factory=EntropyConfig)
 
 
 @dataclass(frozen=True)
@@ -734,6 +758,7 @@ def _check_grpo(g: GRPOConfig, max_new_tokens: int) -> None:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
     if g.epsilon_low is not None and not 0.0 <= g.epsilon_low < 1.0:
         raise ConfigError(f"grpo.epsilon_low: must be in [0, 1), got {g.epsilon_low}")
+    _check_grpo_extensions(g)
     if g.overlong_buffer > max_new_tokens:
         raise ConfigError(
             f"grpo.overlong_buffer: {g.overlong_buffer} exceeds generation.max_new_tokens "
@@ -755,6 +780,43 @@ def _check_cure(g: GRPOConfig) -> None:
             f"grpo.group_size: with grpo.cure.branches={c.branches} a group is n1 originals x "
             f"(1 + {c.branches}), so it must be a multiple of {1 + c.branches}, got {g.group_size}"
         )
+
+
+def _check_grpo_extensions(g: GRPOConfig) -> None:
+    """Replay, entropy control, the temperature schedule and the training subset."""
+    r, e = g.replay, g.entropy
+    nonneg = {
+        "grpo.replay.capacity": r.capacity,
+        "grpo.replay.ratio": r.ratio,
+        "grpo.entropy.coef": e.coef,
+        "grpo.entropy.floor": e.floor,
+    }
+    for key, value in nonneg.items():
+        if value < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {value}")
+    if r.ratio > 0 and round(r.ratio * g.group_size) < 1:
+        raise ConfigError(
+            f"grpo.replay.ratio: {r.ratio} x grpo.group_size {g.group_size} replays no "
+            "completion per group (round(ratio * G) = 0); raise it or set 0 (off)"
+        )
+    for key, used in (("ratio", r.ratio > 0), ("seed_file", r.seed_file is not None)):
+        if used and r.capacity == 0:
+            raise ConfigError(
+                f"grpo.replay.{key}: needs a buffer, grpo.replay.capacity > 0 (0 is off)"
+            )
+    if g.train_examples is not None and g.train_examples < 1:
+        raise ConfigError(f"grpo.train_examples: must be >= 1, got {g.train_examples}")
+    last = -1.0
+    for i, stage in enumerate(g.temperature_schedule):
+        key = f"grpo.temperature_schedule: stage {i}"
+        if len(stage) != 2 or stage[0] != int(stage[0]) or stage[0] < 0 or stage[1] <= 0:
+            raise ConfigError(
+                f"{key}: expected [step, temperature] with step an integer >= 0 and "
+                f"temperature > 0, got {list(stage)}"
+            )
+        if stage[0] <= last:
+            raise ConfigError(f"{key}: steps must increase, got {int(stage[0])} after {int(last)}")
+        last = stage[0]
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

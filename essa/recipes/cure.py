@@ -50,7 +50,7 @@ from essa.recipes.grpo_policy import (
     token_logprobs,
 )
 
-Sampler = Callable[..., Rollout]  # rollout(policy, tokenizer, prompts, cfg, seed, progress)
+Sampler = Callable[..., Rollout]  # rollout(policy, tokenizer, prompts, cfg, seed, progress, T)
 
 
 def is_active(cfg: CureConfig, step: int) -> bool:
@@ -158,17 +158,19 @@ def branched_rollout(
     cfg: Config,
     seed: int,
     progress: Callable[[int], None] | None = None,
+    temperature: float | None = None,
     *,
     tally: Tally,
 ) -> Rollout:
     """Stage 1 in place of :func:`rollout`: the same rows, each run of G equal prompts filled
-    with n1 originals then their n1 * n2 branches. Randomness comes from ``seed`` alone."""
+    with n1 originals then their n1 * n2 branches, all sampled at ``temperature`` (default
+    grpo.temperature, as :func:`rollout`). Randomness comes from ``seed`` alone."""
     g = cfg.grpo
     n2 = g.cure.branches
     n1 = g.group_size // (1 + n2)
     groups = len(prompts) // g.group_size
     firsts = [prompts[k * g.group_size] for k in range(groups) for _ in range(n1)]
-    originals = rollout(policy, tokenizer, firsts, cfg, seed, progress)  # N * n1 rows
+    originals = rollout(policy, tokenizer, firsts, cfg, seed, progress, temperature)  # N * n1
     entropy = rollout_entropy(policy, originals, cfg)  # (N * n1, T)
     special = [*tokenizer.all_special_ids, tokenizer.eos_token_id, tokenizer.pad_token_id]
     candidates = candidate_positions(originals, [i for i in special if i is not None])
@@ -186,6 +188,7 @@ def branched_rollout(
         branch_seed,
         progress,
         budgets.repeat_interleave(n2),
+        temperature,
     )  # N * n1 * n2 rows: original i's branches at rows i * n2 ...
     branches = _with_trajectory_texts(branches, originals, positions, n2, tokenizer)
     tally.branches += len(branches.texts)

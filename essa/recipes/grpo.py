@@ -4,7 +4,11 @@ The loop, per step: draw ``grpo.prompts_per_step`` training prompts; sample ``gr
 completions of each at ``grpo.temperature``; score them with the configured reward; form the
 variant's group advantages (resampling away degenerate groups when the variant filters them);
 take ``grpo.num_iterations`` AdamW steps on the variant's clipped surrogate (+ beta * k3 KL to
-the frozen SFT adapter); log and checkpoint. Held-out accuracy is greedy, on the same fixed test
+the frozen SFT adapter, − ``grpo.entropy.coef`` * mean token entropy); log and checkpoint.
+Optional, all off by default (docs/grpo-rlep-entropy.md): RLEP replay (``grpo.replay``: stored
+successes join their prompt's group, essa/recipes/grpo_replay.py), an ERA-style entropy floor on
+the logits (``grpo.entropy.floor``), a staged temperature (``grpo.temperature_schedule``) and a
+training subset (``grpo.train_examples``, 1-shot RLVR). Held-out accuracy is greedy, on the same fixed test
 split as ESSA, every ``evaluation.every`` steps, and never feeds back into training.
 Formulas and presets: essa/recipes/grpo_losses.py and ../shared/spec/grpo-family.md.
 With ``grpo.cure.use_branching``, CURE's first stage (essa/recipes/cure.py, docs/cure.md) fills
@@ -24,6 +28,8 @@ Deviations from the papers:
 * DAPO dynamic sampling draws at most ``MAX_SAMPLING_ROUNDS`` prompt batches per step and then
   trains on the groups it has (verl raises after ``max_num_gen_batches``);
 * the LR schedule and warm-up count rollout steps, not optimizer steps;
+* the ERA-style entropy floor is our reading of ERA's abstract, not its published activation;
+* logged ``entropy`` is the mean over all completion tokens of the batch (not the loss mask);
 * one process only: under MPI with two or more ranks the recipe refuses to start;
 * ``data.selection: greso`` refills each round to ``prompts_per_step`` instead of GRESO's
   adaptive over-sampling; ``data.hints`` uses reference-solution prefixes as Scaf-GRPO's tiers
@@ -49,6 +55,7 @@ from essa.errors import UserError
 from essa.harness import Harness, Phase
 from essa.recipes import cure
 from essa.recipes import grpo_losses as losses
+from essa.recipes import grpo_replay as replay
 from essa.recipes.grpo_policy import Policy, Rollout, merge, rollout, select, token_logprobs
 from essa.rewards.base import Reward
 from essa.rundir import atomic_dir, recover, storage_error
@@ -89,6 +96,11 @@ def run(
     h.check_heldout(task.test)  # before the model loads
     # Group rewards work as is: each prompt's G completions come in one call.
     reward = load_reward(cfg.reward, recipe="GRPO", groups=True, deadline=False)
+    if g.replay.capacity and reward.is_group:
+        raise UserError(
+            f"grpo.replay: replays verified successes, but reward {cfg.reward.name} is a group "
+            "reward (its score depends on the other completions); use a verifiable reward"
+        )
     with h:  # the trackers close whatever happens
         model, tokenizer = common.load_base_model(cfg, h)
         base_bytes = model_bytes(model)  # the base weights as stored, as ESSA reports them
@@ -102,6 +114,9 @@ def run(
         state = h.restore(state, done=state["step"] if state else 0)
         if state is None:
             state = _initial_state(cfg, h, policy, tokenizer, data)
+            if g.replay.seed_file is not None:
+                state["replay"] = _seed_replay(cfg, h, tokenizer, data, reward)
+        state.setdefault("replay", [])  # checkpoints written before replay existed
         informative = _informative(cfg, tokenizer, state.get("informative"))
         h.say(
             f"GRPO ({g.loss}, trainable={g.trainable}): {policy.dim} parameters, "
@@ -145,7 +160,25 @@ def _initial_state(
             "variant": _preset(cfg),
         }
     )
-    return {"step": 0, "baseline_accuracy": baseline, "elapsed": 0.0, "history": {}}
+    return {"step": 0, "baseline_accuracy": baseline, "elapsed": 0.0, "history": {}, "replay": []}
+
+
+def _seed_replay(cfg: Config, h: Harness, tokenizer: Any, data: _Data, reward: Reward) -> list[Any]:
+    """The replay buffer seeded from ``grpo.replay.seed_file`` (RLEP's first phase), as JSON."""
+    r = cfg.grpo.replay
+    assert r.seed_file is not None
+    answers = [e.answer for e in data.train]
+    found, report = replay.seed_experiences(
+        r.seed_file, tokenizer, data.train_prompts, answers, reward, r.min_reward
+    )
+    buffer = replay.ReplayBuffer(r.capacity, [])
+    buffer.add(found)
+    h.say(
+        f"replay: seeded {len(buffer.entries)} verified completions from {r.seed_file} "
+        f"({report.lines} lines: {report.unmatched} not training prompts of this run, "
+        f"{report.failed} below min_reward {r.min_reward})"
+    )
+    return buffer.to_json()
 
 
 def _beta(cfg: Config) -> float:
@@ -189,7 +222,8 @@ class _Data:
         from essa.recipes.common import render_splits
 
         train_prompts, test_prompts = render_splits(task, cfg.data, tokenizer)
-        return cls(task.train, train_prompts, task.test, test_prompts)
+        n = cfg.grpo.train_examples  # 1-shot RLVR: the first training prompt only
+        return cls(task.train[:n], train_prompts[:n], task.test, test_prompts)
 
 
 def _informative(cfg: Config, tokenizer: Any, state: dict[str, Any] | None) -> Informative | None:
@@ -211,11 +245,27 @@ def _informative(cfg: Config, tokenizer: Any, state: dict[str, Any] | None) -> I
 
 @dataclass
 class _Groups:
-    """The step's training batch: kept groups of G completions."""
+    """The step's training batch: kept groups of G fresh completions and their replays."""
 
     rollouts: list[Rollout]
-    rewards: list[torch.Tensor]  # (n_i, G) per round
+    rewards: list[torch.Tensor]  # (n_i, G + k) per round; NaN where a group has < k replays
     prompt_ids: list[int]  # stable training-set index of each kept group
+    replays: list[list[replay.Experience]]  # each kept group's replayed successes (<= k)
+
+
+def replay_count(cfg: Config) -> int:
+    """k: replayed completions per group (0 without replay)."""
+    r = cfg.grpo.replay
+    return round(r.ratio * cfg.grpo.group_size) if r.capacity and r.ratio > 0 else 0
+
+
+def _draw_prompts(cfg: Config, n_train: int, step: int, rounds: int) -> list[int]:
+    """One round's prompt indices; a training set smaller than a step (1-shot) repeats."""
+    g = cfg.grpo
+    rng = np.random.default_rng(np.random.SeedSequence([cfg.run.seed, 9, step, rounds]))
+    if g.train_examples is not None and n_train < g.prompts_per_step:
+        return rng.choice(n_train, size=g.prompts_per_step, replace=True).tolist()
+    return rng.choice(n_train, size=min(g.prompts_per_step, n_train), replace=False).tolist()
 
 
 def sample_groups(
@@ -228,24 +278,26 @@ def sample_groups(
     step: int,
     round_bar: Callable[[int], Phase] | None = None,
     informative: Informative | None = None,
-) -> tuple[_Groups, dict[str, float]]:
-    """Draw prompts, sample G completions each, score; resample when the variant filters.
+    buffer: replay.ReplayBuffer | None = None,
+) -> tuple[_Groups, list[replay.Experience], dict[str, float]]:
+    """Draw prompts, sample G completions each, score, add replays; resample when filtered.
 
+    Returns the kept groups, the fresh verified successes (for the buffer) and the stats.
     With ``informative`` (data.selection / data.hints) each round's draw skips prompts
     predicted uninformative (refilled from the rest) and hinted prompts carry their hint.
     """
     g = cfg.grpo
-    kept = _Groups([], [], [])
+    k = replay_count(cfg) if buffer is not None else 0
+    temperature = temperature_at(step, cfg)
+    kept = _Groups([], [], [], [])
+    found: list[replay.Experience] = []
     sampled_rewards: list[torch.Tensor] = []
     new_tokens = 0
     rounds = 0
     cure_tally = cure.Tally()
     sample = cure.branching(cure_tally) if cure.is_active(g.cure, step) else rollout
     while rounds < MAX_SAMPLING_ROUNDS and len(kept.prompt_ids) < g.prompts_per_step:
-        rng = np.random.default_rng(np.random.SeedSequence([cfg.run.seed, 9, step, rounds]))
-        idx = rng.choice(
-            len(data.train), size=min(g.prompts_per_step, len(data.train)), replace=False
-        ).tolist()
+        idx = _draw_prompts(cfg, len(data.train), step, rounds)
         if informative is None:
             texts = [data.train_prompts[i] for i in idx]
         else:
@@ -255,34 +307,36 @@ def sample_groups(
         answers = [data.train[i].answer for i in idx for _ in range(g.group_size)]
         seed = int(np.random.SeedSequence([cfg.run.seed, 10, step, rounds]).generate_state(1)[0])
         if round_bar is None:
-            out = sample(policy, tokenizer, prompts, cfg, seed)
+            out = sample(policy, tokenizer, prompts, cfg, seed, temperature=temperature)
         else:
             with round_bar(len(prompts)) as bar:
-                out = sample(policy, tokenizer, prompts, cfg, seed, progress=bar.advance)
-        scores = reward(out.texts, answers, prompts)
-        rewards = torch.tensor([math.nan if s is None else float(s) for s in scores])  # (B,)
-        if g.overlong_buffer:
-            lengths = out.mask.sum(-1)  # (B,)
-            max_length = cfg.generation.max_new_tokens
-            rewards = rewards + losses.soft_overlong_punishment(
-                lengths, max_length, g.overlong_buffer
-            )
+                out = sample(policy, tokenizer, prompts, cfg, seed, bar.advance, temperature)
+        rewards = _score(cfg, reward, out, answers, prompts)  # (B,)
+        if buffer is not None:
+            rows = [i for i in idx for _ in range(g.group_size)]
+            found.extend(replay.successes(out, rewards, rows, g.replay.min_reward))
         rewards = rewards.view(len(idx), g.group_size)  # (N, G)
         if informative is not None:
             informative.observe(idx, rewards.double().numpy())
         sampled_rewards.append(rewards)
         new_tokens += int((out.completion_ids != tokenizer.pad_token_id).sum())  # as ESSA counts
+        replays: list[list[replay.Experience]] = [[] for _ in idx]
+        if k and buffer is not None:
+            rng = np.random.default_rng(np.random.SeedSequence([cfg.run.seed, 11, step, rounds]))
+            replays = buffer.draw(idx, k, rng)
+        mixed = replay.mixed_group_rewards(rewards, replays, k)  # (N, G + k)
         rounds += 1
-        keep = losses.groups_to_keep(rewards, variant.group_filter)  # (N,)
+        keep = losses.groups_to_keep(mixed, variant.group_filter)  # (N,) over the mixed groups
         room = g.prompts_per_step - len(kept.prompt_ids)
         chosen = torch.nonzero(keep).flatten()[:room]  # (n,)
         if chosen.numel() == 0:
             continue
-        rows = (chosen[:, None] * g.group_size + torch.arange(g.group_size)).flatten()  # (n*G,)
-        kept.rollouts.append(select(out, rows))
-        kept.rewards.append(rewards[chosen])
+        rows_kept = (chosen[:, None] * g.group_size + torch.arange(g.group_size)).flatten()
+        kept.rollouts.append(select(out, rows_kept))  # (n*G) rows
+        kept.rewards.append(mixed[chosen])
         kept.prompt_ids.extend(idx[i] for i in chosen.tolist())
-    every = torch.cat(sampled_rewards)  # (N_all, G)
+        kept.replays.extend(replays[i] for i in chosen.tolist())
+    every = torch.cat(sampled_rewards)  # (N_all, G) fresh rewards only: the policy's own
     _, std = losses.group_mean_std(every)
     stats = {
         "mean_reward": float(torch.nanmean(every)),
@@ -290,9 +344,45 @@ def sample_groups(
         "groups_kept": len(kept.prompt_ids),
         "sampling_rounds": rounds,
         "new_tokens": new_tokens,
+        "temperature": temperature,
         **(cure_tally.metrics() if g.cure.use_branching else {}),
     }
-    return kept, stats
+    return kept, found, stats
+
+
+def _score(
+    cfg: Config, reward: Reward, out: Rollout, answers: list[str | None], prompts: list[str]
+) -> torch.Tensor:
+    """(B,) rewards of a round, NaN where ungradable, plus DAPO's overlong shaping when on."""
+    scores = reward(out.texts, answers, prompts)
+    rewards = torch.tensor([math.nan if s is None else float(s) for s in scores])  # (B,)
+    if cfg.grpo.overlong_buffer:
+        lengths = out.mask.sum(-1)  # (B,)
+        max_length = cfg.generation.max_new_tokens
+        rewards = rewards + losses.soft_overlong_punishment(
+            lengths, max_length, cfg.grpo.overlong_buffer
+        )
+    return rewards
+
+
+def _training_batch(
+    groups: _Groups, data: _Data, tokenizer: Any, group_size: int
+) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
+    """The fresh rows (group-major) then the replayed rows, with each row's group and slot.
+
+    Returns (batch, group index (B,), slot index (B,) into the (N, G + k) rewards).
+    """
+    n = len(groups.prompt_ids)
+    group_index = torch.arange(n).repeat_interleave(group_size)  # (N*G,)
+    slot = torch.arange(group_size).repeat(n)  # (N*G,)
+    replayed = [(i, j, e) for i, group in enumerate(groups.replays) for j, e in enumerate(group)]
+    parts = list(groups.rollouts)
+    if replayed:
+        prompts = [data.train_prompts[e.prompt_id] for _, _, e in replayed]
+        parts.append(replay.replay_rollout(tokenizer, prompts, [e for _, _, e in replayed]))
+        group_index = torch.cat([group_index, torch.tensor([i for i, _, _ in replayed])])
+        slot = torch.cat([slot, torch.tensor([group_size + j for _, j, _ in replayed])])
+    return merge(parts, tokenizer.pad_token_id), group_index, slot
 
 
 def train_step(
@@ -309,39 +399,49 @@ def train_step(
 ) -> dict[str, Any]:
     """Sample, score, form advantages and update; returns the step's metrics record.
 
-    ``round_bar(n)`` opens the progress bar of a sampling round of n completions.
+    ``round_bar(n)`` opens the progress bar of a sampling round of n completions. With
+    replay, ``state["replay"]`` (the buffer, JSON) is read and updated.
     """
     g = cfg.grpo
     step = state["step"]
     start = time.perf_counter()
-    groups, stats = sample_groups(
-        cfg, variant, policy, tokenizer, reward, data, step, round_bar, informative
+    buffer = None
+    if g.replay.capacity:
+        buffer = replay.ReplayBuffer.from_json(g.replay.capacity, state["replay"])
+    groups, found, stats = sample_groups(
+        cfg, variant, policy, tokenizer, reward, data, step, round_bar, informative, buffer
     )
     record: dict[str, Any] = {"generation": step, **stats}
     if informative is not None:  # prompts_skipped, rows_saved, prompts_hinted, ...
         record.update(informative.end_step())
         state["informative"] = informative.state_dict()
+    if buffer is not None:
+        record["replayed"] = sum(len(r) for r in groups.replays)
+        record["replay_added"] = buffer.add(found)  # after drawing: replays are from past steps
+        record["replay_buffer_size"] = len(buffer.entries)
+        state["replay"] = buffer.to_json()
     if not groups.prompt_ids:  # every group was filtered away: nothing to learn from
         record.update(seconds=round(time.perf_counter() - start, 4), skipped=True)
         return record
-    batch = merge(groups.rollouts, tokenizer.pad_token_id)
+    batch, group_index, slot = _training_batch(groups, data, tokenizer, g.group_size)
     history = _history_from_json(state["history"])
     adv, history = losses.advantages(variant, torch.cat(groups.rewards), groups.prompt_ids, history)
     state["history"] = _history_to_json(history)
-    mask = batch.mask * adv.keep.flatten()[:, None]  # (B, T)
+    values = adv.values[group_index, slot]  # (B,)
+    mask = batch.mask * adv.keep[group_index, slot][:, None]  # (B, T)
     if variant.use_truncation_mask:
         mask = mask * ~batch.truncated[:, None]  # overlong filtering (spec §5.4a)
-    group_index = torch.arange(len(groups.prompt_ids)).repeat_interleave(g.group_size)  # (B,)
     counts = losses.step_counts(mask, group_index, cfg.generation.max_new_tokens)
     for param_group in optimizer.param_groups:
         param_group["lr"] = g.lr * lr_factor(step, cfg)
-    updates = _update(cfg, variant, policy, optimizer, batch, adv.values.flatten(), mask, counts)
-    lengths = batch.mask.sum(-1)
+    updates = _update(cfg, variant, policy, optimizer, batch, values, mask, counts, step)
+    fresh = len(groups.prompt_ids) * g.group_size  # the first rows; replays follow
+    lengths = batch.mask[:fresh].sum(-1)
     seconds = time.perf_counter() - start
     record.update(updates)
     record.update(
         completion_length=float(lengths.mean()),
-        truncated_fraction=float(batch.truncated.float().mean()),
+        truncated_fraction=float(batch.truncated[:fresh].float().mean()),
         lr=optimizer.param_groups[0]["lr"],
         seconds=round(seconds, 4),
         tokens_per_second=round(record["new_tokens"] / seconds, 1) if seconds > 0 else None,
@@ -358,16 +458,26 @@ def _update(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     counts: losses.Counts,
+    step: int,
 ) -> dict[str, float]:
-    """``num_iterations`` AdamW steps on the batch, each accumulated over micro-batches."""
+    """``num_iterations`` AdamW steps on the batch, each accumulated over micro-batches.
+
+    The loss is the variant's surrogate, minus ``grpo.entropy.coef`` times the mean token
+    entropy over every completion token of the batch (``batch.mask``, not the loss mask).
+    """
     g = cfg.grpo
     beta = variant.beta if g.beta is None else g.beta
     t = batch.completion_ids.shape[1]
     chunks = [c for c in torch.arange(mask.shape[0]).chunk(g.grad_accumulation) if c.numel()]
+    temperature = temperature_at(step, cfg)  # log-probs of the distribution that sampled
+    completion_tokens = int(batch.mask.sum())
+    use_bonus = g.entropy.coef != 0.0
 
     def logprobs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ids, attention = batch.input_ids[rows], batch.attention_mask[rows]
-        return token_logprobs(policy.model, ids, attention, t, g.temperature)
+        return token_logprobs(
+            policy.model, ids, attention, t, temperature, g.entropy.floor, use_bonus
+        )
 
     with torch.no_grad():
         old_logp = torch.cat([logprobs(c)[0] for c in chunks]) if g.num_iterations > 1 else None
@@ -394,8 +504,15 @@ def _update(
                 epsilon_low=g.epsilon_low,
                 epsilon_high=g.epsilon_high,
             )
+            if use_bonus:
+                loss = loss + losses.entropy_bonus(
+                    entropy, batch.mask[rows], completion_tokens, g.entropy.coef
+                )
             loss.backward()
-            _accumulate(totals, loss, token, advantages[rows], mask[rows], entropy, counts)
+            _accumulate(totals, loss, token, advantages[rows], mask[rows], counts)
+            totals["entropy"] += float((entropy.detach() * batch.mask[rows]).sum()) / max(
+                completion_tokens, 1
+            )
         norm = _clip_gradients(policy.params, g.max_grad_norm)
         optimizer.step()
     return {**totals, "grad_norm": norm}
@@ -407,7 +524,6 @@ def _accumulate(
     token: losses.TokenLoss,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    entropy: torch.Tensor,
     counts: losses.Counts,
 ) -> None:
     """Token-weighted sums over micro-batches: every metric ends as a mean over the step."""
@@ -416,7 +532,6 @@ def _accumulate(
     totals["loss"] += float(loss.detach())
     totals["clip_low"] += low * share
     totals["clip_high"] += high * share
-    totals["entropy"] += float((entropy * mask).sum()) / max(counts.num_tokens, 1)
     if token.kl is not None:
         totals["kl"] += float((token.kl.detach() * mask).sum()) / max(counts.num_tokens, 1)
 
@@ -426,6 +541,23 @@ def _clip_gradients(params: list[torch.Tensor], max_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     grads = [p.grad.flatten() for p in params if p.grad is not None]
     return float(torch.cat(grads).norm()) if grads else 0.0
+
+
+def temperature_at(step: int, cfg: Config) -> float:
+    """The rollout temperature of ``step``: the last schedule stage started, else the base.
+
+    A pure function of the step, so a resumed run is at the same stage.
+
+    >>> from essa.config import GRPOConfig
+    >>> cfg = Config(grpo=GRPOConfig(temperature=0.6, temperature_schedule=((2, 0.8), (5, 1.0))))
+    >>> [temperature_at(s, cfg) for s in (0, 1, 2, 4, 5, 9)]
+    [0.6, 0.6, 0.8, 0.8, 1.0, 1.0]
+    """
+    temperature = cfg.grpo.temperature
+    for start, value in cfg.grpo.temperature_schedule:
+        if step >= start:
+            temperature = value
+    return temperature
 
 
 def lr_factor(step: int, cfg: Config) -> float:
@@ -579,6 +711,9 @@ def _finish(
     adapter_dir = h.run_dir / "adapter"
     with h.phase("export"):
         policy.export(adapter_dir, cfg.model.name_or_path)
+        if g.replay.capacity and h.is_root:
+            buffer = replay.ReplayBuffer.from_json(g.replay.capacity, state["replay"])
+            replay.write_buffer(h.run_dir / "replay.jsonl", buffer, data.train_prompts)
     summary = h.summary(
         baseline=state["baseline_accuracy"],
         final=final,

@@ -480,3 +480,52 @@ def policy_loss(
         beta=beta,
     )
     return aggregate(token.loss, mask, variant.normaliser, counts), token
+
+
+# ---------------------------------------------------------------------------------------------
+# Entropy control (docs/grpo-rlep-entropy.md)
+
+
+def token_entropy(logp_all: Tensor) -> Tensor:
+    """Entropy −Σ_v p·log p of each token's distribution: (B, T, V) log-probs -> (B, T)."""
+    return -(logp_all.exp() * logp_all).sum(-1)
+
+
+def entropy_bonus(entropy: Tensor, mask: Tensor, num_tokens: int, coef: float) -> Tensor:
+    """1-shot RLVR's entropy loss term, −coef · (token mean of the entropy over the step).
+
+    ``entropy``/``mask`` (b, T) may be a micro-batch slice; ``num_tokens`` counts the whole
+    step's completion tokens, so the slices add up to the full-batch term. Added to the loss.
+    """
+    return -coef * token_mean(entropy, mask, num_tokens)
+
+
+ERA_BISECTION_STEPS = 30  # the scale is found to 2^-30, below float32 resolution
+
+
+def era_activation(logits: Tensor, floor: float) -> Tensor:
+    """ERA-style entropy floor on the logits (our reading of ERA): (..., V) -> (..., V).
+
+    A token whose distribution softmax(z) has entropy below ``floor`` nats gets z' = s·z with
+    the largest s in [0, 1] for which H(softmax(s·z)) >= floor (H falls monotonically in s:
+    dH/ds = −s·Var_p(z)), found by bisection; other tokens are unchanged. s is a constant in
+    the backward pass. The argmax never moves (s > 0), so greedy decoding is unaffected; a
+    floor at or above log V gives s = 0, the uniform distribution.
+    """
+    if floor <= 0.0:
+        return logits
+    with torch.no_grad():
+        z = logits.detach().float()
+
+        def entropy_at(scale: Tensor) -> Tensor:  # (...,) entropy of softmax(scale·z)
+            return token_entropy(torch.log_softmax(z * scale[..., None], dim=-1))
+
+        ones = torch.ones(z.shape[:-1], device=z.device)  # (...,)
+        low, high = torch.zeros_like(ones), ones.clone()  # H(low) >= floor > H(high) below
+        for _ in range(ERA_BISECTION_STEPS):
+            mid = (low + high) / 2
+            above = entropy_at(mid) >= floor
+            low = torch.where(above, mid, low)
+            high = torch.where(above, high, mid)
+        scale = torch.where(entropy_at(ones) >= floor, ones, low)  # (...,)
+    return logits * scale[..., None].to(logits.dtype)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from essa.config import Config
+from essa.recipes.grpo_losses import era_activation, token_entropy
 
 if TYPE_CHECKING:
     from essa.adapters.svd import SVDAdapter
@@ -154,15 +155,19 @@ def rollout(
     cfg: Config,
     seed: int,
     progress: Callable[[int], None] | None = None,
+    temperature: float | None = None,
 ) -> Rollout:
-    """Sample one completion per prompt row at grpo.temperature (HF generate).
+    """Sample one completion per prompt row at ``temperature`` (default grpo.temperature).
 
-    ``progress(rows)`` is called after each micro-batch.
+    ``progress(rows)`` is called after each micro-batch. With ``grpo.entropy.floor`` the
+    tokens are drawn from the ERA-activated distribution the loss trains (see
+    :func:`sampling_processors`).
     """
     batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
     return rollout_from_ids(
-        policy, tokenizer, batch["input_ids"], batch["attention_mask"], cfg, seed, progress
-    )
+        policy, tokenizer, batch["input_ids"], batch["attention_mask"], cfg, seed, progress,
+        temperature=temperature,
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -175,11 +180,14 @@ def rollout_from_ids(
     seed: int,
     progress: Callable[[int], None] | None = None,
     budgets: torch.Tensor | None = None,
+    temperature: float | None = None,
 ) -> Rollout:
     """:func:`rollout` from left-padded token ids (B, P); ``budgets`` (B,) caps each row's
     completion length (default ``generation.max_new_tokens``): tokens past a row's budget are
     dropped as if never sampled, and a row without EOS within it is truncated.
     """
+    temperature = cfg.grpo.temperature if temperature is None else temperature
+    processors, temperature = sampling_processors(cfg.grpo.entropy.floor, temperature)
     model = policy.model
     device = next(model.parameters()).device
     batch = {"input_ids": input_ids, "attention_mask": attention_mask}
@@ -193,7 +201,8 @@ def rollout_from_ids(
             out = model.generate(
                 **part,
                 do_sample=True,
-                temperature=cfg.grpo.temperature,
+                temperature=temperature,
+                logits_processor=processors,
                 top_p=cfg.generation.top_p,
                 top_k=0,
                 max_new_tokens=max_new_tokens,
@@ -235,8 +244,15 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     num_completion_tokens: int,
     temperature: float,
+    entropy_floor: float = 0.0,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the completion tokens and the policy's entropy there: 2 x (B, T)."""
+    """Log-probs of the completion tokens and the policy's entropy there: 2 x (B, T).
+
+    Both come from one forward, on the temperature-scaled logits (after the ERA-style
+    activation when ``entropy_floor`` > 0). The entropy carries a gradient only when
+    ``entropy_grad`` (the entropy bonus needs it; the (B, T, V) graph costs memory).
+    """
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate does, left padding
@@ -247,11 +263,31 @@ def token_logprobs(
         position_ids=position_ids,
         logits_to_keep=t + 1,
     ).logits[:, :-1]  # (B, T, V): position j predicts completion token j
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
+    scaled = era_activation(logits.float() / temperature, entropy_floor)  # (B, T, V)
+    logp_all = torch.log_softmax(scaled, dim=-1)  # (B, T, V)
     logp = logp_all.gather(-1, input_ids[:, -t:, None]).squeeze(-1)  # (B, T)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, T)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = token_entropy(logp_all)  # (B, T)
     return logp.cpu(), entropy.cpu()
+
+
+def sampling_processors(entropy_floor: float, temperature: float) -> tuple[Any, float]:
+    """(logits processors, temperature to pass to generate) for rollouts.
+
+    Without a floor: none, and the temperature as is. With one, the processor applies the
+    temperature and then the ERA-style activation itself, and generate gets temperature 1.0:
+    HF runs custom processors before its temperature and top-p warpers, so top-p then acts on
+    exactly the distribution :func:`token_logprobs` scores.
+    """
+    if entropy_floor <= 0.0:
+        return None, temperature
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class _EntropyFloor(LogitsProcessor):  # type: ignore[misc]
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            return era_activation(scores.float() / temperature, entropy_floor)  # (b, V)
+
+    return LogitsProcessorList([_EntropyFloor()]), 1.0
 
 
 def select(out: Rollout, rows: torch.Tensor) -> Rollout:
