@@ -1,0 +1,77 @@
+"""bench/real_model.py's bookkeeping on hand-made run files: passes, paired tests, the table."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.real_model import paired, passes, pooled, table, task_config
+
+
+def test_passes_reads_every_held_out_pass(tmp_path: Path) -> None:
+    lines = [
+        {"generation": -1, "final": False, "pass": "held-out baseline", "scores": [0, 1, 0]},
+        {"generation": -1, "final": False, "pass": "scale baseline held-out", "scores": [1, 1, 0]},
+        {"generation": 9, "final": False, "pass": "held-out", "scores": [1, 0, 0]},
+        {"generation": 20, "final": True, "pass": "final held-out", "scores": [1, 1, 1]},
+    ]
+    (tmp_path / "heldout_scores.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    got = passes(tmp_path)
+    assert got == {"sft": [0, 1, 0], "scale": [1, 1, 0], "final": [1, 1, 1]}
+
+
+def test_paired_gain_and_standard_error_by_hand() -> None:
+    # differences 1, 0, 1, 0: mean 0.5, sample sd sqrt(1/3), SE sqrt(1/3)/2
+    p = paired([1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0])
+    assert p["gain"] == 0.5 and p["n"] == 4
+    assert p["se"] == pytest.approx(math.sqrt(1 / 3) / 2)
+    # two seeds: SE of the mean of independent gains = sqrt(se1^2 + se2^2) / 2
+    runs = [{"g": {"gain": 0.1, "se": 0.03}}, {"g": {"gain": 0.2, "se": 0.04}}]
+    pool = pooled(runs, "g")
+    assert pool["gain"] == pytest.approx(0.15) and pool["se"] == pytest.approx(0.025)
+    assert pool["z"] == pytest.approx(6.0)
+    assert pool["per_seed_z"] == pytest.approx([0.1 / 0.03, 5.0])
+
+
+def test_task_config_swaps_only_the_task(tmp_path: Path) -> None:
+    import yaml
+
+    from essa.config import load_config
+
+    path = task_config("spell_backward", {"min_word_len": 3, "max_word_len": 5}, tmp_path)
+    cfg = load_config(path)  # a valid config, every key known
+    assert cfg.data.source == "reasoning_gym:spell_backward"
+    assert cfg.reward.params == {
+        "task": "spell_backward",
+        "params": {"min_word_len": 3, "max_word_len": 5},
+    }
+    shipped = yaml.safe_load(Path("configs/smollm2.yaml").read_text())
+    assert cfg.optimizer.population_size == shipped["optimizer"]["population_size"]
+    assert cfg.reward.reference_weight == shipped["reward"]["reference_weight"]
+
+
+def test_table_row_from_a_result() -> None:
+    run = {
+        "accuracy": {"sft": 0.2, "scale": 0.21, "final": 0.26},
+        "summary": {"wall_seconds": 1150.0, "peak_rss_mb": 3000.0},
+    }
+    result = {
+        "tasks": {
+            "chain_sum": {
+                "base_accuracy": 0.04,
+                "essa": [run],
+                "essa_vs_sft": {"gain": 0.06, "se": 0.015, "z": 4.0, "per_seed_z": [4.0]},
+                "grpo": {
+                    "accuracy": {"final": 0.22},
+                    "essa_vs_grpo": {"gain": 0.04, "se": 0.02},
+                    "summary": {"peak_rss_mb": 6000.0},
+                },
+            }
+        }
+    }
+    row = table(result).splitlines()[-1]
+    assert row.startswith("| chain_sum | 0.040 | 0.200 | 0.210 | 0.260 | +0.060 (0.015) | 4.0 |")
+    assert "0.220 (ESSA +0.040 ± 0.020)" in row and "3000 / 6000 MB (0.50x)" in row
