@@ -56,10 +56,15 @@ def test_empty_continuation_scores_nothing(tiny_model_dir) -> None:
     assert out[0][0] == [] and len(out[1][1]) == 1
 
 
-@pytest.mark.parametrize("strategy", ["batched", "merged"])
-@pytest.mark.parametrize("shared_prefix", [False, True])
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-@pytest.mark.parametrize("drop_rows", [True, False])
+@pytest.mark.parametrize(
+    ("strategy", "shared_prefix", "temperature", "drop_rows"),
+    [  # each value twice; each strategy with and without each of the other switches
+        ("batched", True, 0.0, True),
+        ("merged", False, 0.8, True),
+        ("batched", False, 0.8, False),
+        ("merged", True, 0.0, False),
+    ],
+)
 def test_references_forced_in_the_prefill_match_a_separate_pass(
     tiny_model_dir, monkeypatch, strategy: str, shared_prefix: bool, temperature: float,
     drop_rows: bool,
