@@ -154,8 +154,9 @@ def rollout(
     cfg: Config,
     seed: int,
     progress: Callable[[int], None] | None = None,
+    temperature: float | None = None,
 ) -> Rollout:
-    """Sample one completion per prompt row at grpo.temperature (HF generate).
+    """Sample one completion per prompt row at ``temperature`` (None: grpo.temperature).
 
     ``progress(rows)`` is called after each micro-batch.
     """
@@ -171,7 +172,7 @@ def rollout(
             out = model.generate(
                 **part,
                 do_sample=True,
-                temperature=cfg.grpo.temperature,
+                temperature=cfg.grpo.temperature if temperature is None else temperature,
                 top_p=cfg.generation.top_p,
                 top_k=0,
                 max_new_tokens=cfg.generation.max_new_tokens,
