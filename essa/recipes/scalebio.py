@@ -441,7 +441,9 @@ def _finish(
 
 def _shown(record: dict[str, Any]) -> dict[str, Any]:
     shown = {"val": record["validation_loss"]}
-    shown.update({k.removeprefix("weight/"): v for k, v in record.items() if k.startswith("weight/")})
+    shown.update(
+        {k.removeprefix("weight/"): v for k, v in record.items() if k.startswith("weight/")}
+    )
     if "heldout_accuracy" in record:
         shown["held-out"] = record["heldout_accuracy"]
     return shown
