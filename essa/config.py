@@ -735,8 +735,7 @@ def _check_scalebio(cfg: Config) -> None:
         return
     if len(sources) < 2:
         raise ConfigError(
-            "data.sources: scalebio reweights two or more sources (name: path), got "
-            f"{len(sources)}"
+            f"data.sources: scalebio reweights two or more sources (name: path), got {len(sources)}"
         )
     positive = {
         "scalebio.batch_size": s.batch_size,

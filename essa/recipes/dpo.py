@@ -29,7 +29,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ from essa.recipes import grpo
 from essa.recipes.grpo_policy import Policy, Rollout, rollout, select, token_logprobs
 from essa.rewards.base import Reward
 from essa.types import Example, PreferencePair
+
+if TYPE_CHECKING:
+    from essa.recipes.lisa import LisaOptimizer
 
 
 def run(
@@ -99,6 +102,7 @@ def run(
         )
         for step in h.steps(state["step"], show=_shown):
             start = time.perf_counter()
+            batch: Rollout | None
             if pairs is not None and pair_prompts is not None:
                 batch, stats = file_batch(pairs, pair_prompts, tokenizer, cfg, step.index)
             else:
@@ -216,7 +220,11 @@ def sequence_logprobs(model: Any, batch: Rollout) -> torch.Tensor:
 
 
 def train_step(
-    cfg: Config, policy: Policy, optimizer: Any, batch: Rollout | None, step: int
+    cfg: Config,
+    policy: Policy,
+    optimizer: torch.optim.Optimizer | LisaOptimizer,
+    batch: Rollout | None,
+    step: int,
 ) -> dict[str, Any]:
     """One AdamW step on the DPO loss of ``batch`` (rows: n chosen, then their n rejected)."""
     d = cfg.dpo
