@@ -275,3 +275,10 @@ def test_bad_pairs_file_is_one_line(tmp_path: Path) -> None:
     path.write_text('{"prompt": "1+1=", "chosen": "", "rejected": "3"}\n')
     with pytest.raises(DataError, match=r"p.jsonl:1: field 'chosen' must be a non-empty string"):
         load_preference_pairs(str(path))
+
+
+def test_missing_pairs_file_is_one_error_line_through_the_cli(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.jsonl"
+    res = essa("train", "--run-dir", str(tmp_path / "run"), *sets(*SMALL, f"dpo.pairs={missing}"))
+    assert res.returncode == 2
+    assert res.stderr.strip() == f"error: dpo.pairs: {missing}: no such file (preference pairs)"

@@ -148,3 +148,12 @@ def test_scalebio_resume_after_kill_is_exact(tmp_path: Path) -> None:
         return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
 
     assert strip(records(run_dir)) == strip(records(ref))
+
+
+def test_missing_source_file_is_one_error_line_through_the_cli(tmp_path: Path) -> None:
+    clean, _ = write_sources(tmp_path)
+    missing = tmp_path / "nope.jsonl"
+    overrides = ["algorithm=scalebio", f"data.sources={{clean: {clean}, noise: {missing}}}"]
+    res = essa("train", "--run-dir", str(tmp_path / "run"), *sets(*overrides))
+    assert res.returncode == 2
+    assert res.stderr.strip() == f"error: data.sources.noise: {missing}: no such file"
