@@ -753,6 +753,11 @@ def _check_scalebio(cfg: Config) -> None:
         raise ConfigError(
             "data.sft_size: scalebio validates on the sft split of data.source; must be >= 1"
         )
+    if cfg.adapter.path is not None:
+        raise ConfigError(
+            "adapter.path: scalebio fine-tunes the base weights with LISA and takes no LoRA "
+            "adapter; merge it into the model first (essa export --merged) or drop adapter.path"
+        )
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -282,3 +282,24 @@ def test_missing_pairs_file_is_one_error_line_through_the_cli(tmp_path: Path) ->
     res = essa("train", "--run-dir", str(tmp_path / "run"), *sets(*SMALL, f"dpo.pairs={missing}"))
     assert res.returncode == 2
     assert res.stderr.strip() == f"error: dpo.pairs: {missing}: no such file (preference pairs)"
+
+
+@pytest.mark.slow
+def test_dpo_online_lora_resume_after_kill_is_exact(tmp_path: Path) -> None:
+    """Online pairs (sampling, reward, pairing) and LoRA: kill -9 inside the step-2 checkpoint
+    write, resume; adapter and records equal the uninterrupted run's."""
+    small = [*SMALL, "run.generations=3"]
+    ref = tmp_path / "ref"
+    res = essa("train", "--run-dir", str(ref), *sets(*small))
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = tmp_path / "killed"
+    res = essa("train", "--run-dir", str(run_dir), *sets(*small), env={"ESSA_FAULT": "kill@2"})
+    assert res.returncode == -9, res.stderr[-3000:]
+    res = essa("train", "--resume", str(run_dir))
+    assert res.returncode == 0, res.stderr[-3000:]
+    a = load_file(str(ref / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert _same_but_seconds(records(run_dir), records(ref))
+    assert (run_dir / "samples.jsonl").read_text() == (ref / "samples.jsonl").read_text()

@@ -157,3 +157,9 @@ def test_missing_source_file_is_one_error_line_through_the_cli(tmp_path: Path) -
     res = essa("train", "--run-dir", str(tmp_path / "run"), *sets(*overrides))
     assert res.returncode == 2
     assert res.stderr.strip() == f"error: data.sources.noise: {missing}: no such file"
+
+
+def test_scalebio_refuses_an_adapter() -> None:
+    overrides = ["algorithm=scalebio", "data.sources={a: x.jsonl, b: y.jsonl}", "adapter.path=lora"]
+    with pytest.raises(ConfigError, match="adapter.path: scalebio fine-tunes the base weights"):
+        load_config(None, overrides)
