@@ -117,7 +117,7 @@ def train(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory")] = False,
     run_dir: Annotated[Path | None, typer.Option(help="Run directory (overrides run.dir)")] = None,
 ) -> None:
-    """Align a model with ESSA, or with GRPO when algorithm: grpo (SFT first without an adapter).
+    """Align a model with ESSA, or GRPO / DPO / ScaleBiO by ``algorithm`` (SFT first if needed).
 
     Under mpiexec/srun every rank runs this; see docs/scaling.md.
     """
@@ -162,6 +162,16 @@ def train(
         from essa.recipes import grpo
 
         summary = grpo.run(cfg, directory, resume=resume is not None, console=_console(), comm=comm)
+    elif cfg.algorithm == "dpo":
+        from essa.recipes import dpo
+
+        summary = dpo.run(cfg, directory, resume=resume is not None, console=_console(), comm=comm)
+    elif cfg.algorithm == "scalebio":
+        from essa.recipes import scalebio
+
+        summary = scalebio.run(
+            cfg, directory, resume=resume is not None, console=_console(), comm=comm
+        )
     else:  # pragma: no cover - the schema admits only the algorithms listed above
         raise UserError(f"algorithm: {cfg.algorithm} is not available")
     if comm.rank == 0:

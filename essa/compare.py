@@ -38,8 +38,10 @@ def load_run(run_dir: Path) -> RunCurves:
     algorithm = summary.get("algorithm", "essa")
     if "label" in summary:  # runs written by other trainers (bench/trl_grpo.py) name themselves
         label = str(summary["label"])
-    elif algorithm == "grpo":
-        label = f"grpo ({summary.get('loss')}, {summary.get('trainable')})"
+    elif algorithm in ("grpo", "dpo"):
+        label = f"{algorithm} ({summary.get('loss')}, {summary.get('trainable')})"
+    elif algorithm == "scalebio":
+        label = "scalebio"
     else:
         label = "essa"
     curves = RunCurves(run_dir.name, label, summary)

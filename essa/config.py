@@ -137,6 +137,9 @@ class DataConfig:
     batch_size: int = 64  # prompts per generation, shared by all candidates
     selection: SelectionConfig = field(default_factory=SelectionConfig)  # training prompts only
     hints: HintConfig = field(default_factory=HintConfig)  # training prompts only, never held-out
+    # algorithm: scalebio only: the training mixture, name -> local file or builtin:NAME (its
+    # training pool); data.source then gives the validation (sft split) and held-out examples.
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -259,6 +262,39 @@ class GRPOConfig:
 
 
 @dataclass(frozen=True)
+class DPOConfig:
+    """algorithm: dpo (Rafailov et al.; docs/dpo-scalebio.md): pairs from a file or online."""
+
+    pairs: str | None = None  # JSONL of {"prompt","chosen","rejected"}; None: online pairs
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO's logistic loss, or IPO's squared one
+    beta: float = 0.1  # KL strength to the frozen SFT reference (IPO: its tau)
+    label_smoothing: float = 0.0  # sigmoid only: cDPO's assumed label-flip rate in [0, 0.5)
+    pairs_per_step: int = 8  # file: pairs per step; online: prompts drawn per step
+    samples_per_prompt: int = 4  # online: k sampled completions per prompt to pair from
+    temperature: float = 1.0  # online sampling; held-out accuracy stays greedy
+    lr: float = 1e-3  # AdamW (the demo's LoRA scale, as grpo.lr)
+    weight_decay: float = 0.0
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # cosine: over run.generations
+    max_grad_norm: float = 1.0  # 0: no clipping
+    trainable: Literal["lora", "lisa"] = "lora"  # lisa: SFT LoRA merged, base weights by LISA
+    lisa: LisaConfig = field(default_factory=LisaConfig)  # trainable: lisa only
+
+
+@dataclass(frozen=True)
+class ScaleBiOConfig:
+    """algorithm: scalebio (Pan et al., arXiv 2406.19976): source weights by first-order bilevel."""
+
+    batch_size: int = 8  # examples per source, and validation examples, per step
+    lr: float = 1e-3  # AdamW of both lower-level models (theta and u), LISA's layers
+    weight_decay: float = 0.0
+    weight_lr: float = 1.0  # SGD step on the source-weight logits
+    penalty: float = 1.0  # lambda: the value-function penalty, constant (the paper grows it)
+    max_grad_norm: float = 1.0  # 0: no clipping
+    max_length: int = 256  # tokens of prompt + solution
+    lisa: LisaConfig = field(default_factory=LisaConfig)
+
+
+@dataclass(frozen=True)
 class VLLMConfig:
     """Engine options of ``backend: vllm`` (docs/vllm.md); ignored by the HF backend."""
 
@@ -276,7 +312,7 @@ class VLLMConfig:
 
 @dataclass(frozen=True)
 class Config:
-    algorithm: Literal["essa", "grpo"] = "essa"
+    algorithm: Literal["essa", "grpo", "dpo", "scalebio"] = "essa"
     backend: Literal["hf", "vllm"] = "hf"  # evaluation backend of the ESSA recipe
     model: ModelConfig = field(default_factory=ModelConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
@@ -288,6 +324,8 @@ class Config:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     run: RunConfig = field(default_factory=RunConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    scalebio: ScaleBiOConfig = field(default_factory=ScaleBiOConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
@@ -596,6 +634,8 @@ def check_values(cfg: Config) -> None:
     _check_heldout_metric(cfg.evaluation.metric)
     _check_data(cfg)
     _check_grpo(cfg.grpo, cfg.generation.max_new_tokens)
+    _check_dpo(cfg.dpo)
+    _check_scalebio(cfg)
     _check_layer_sampling(cfg)
     _check_vllm(cfg)
 
@@ -723,6 +763,10 @@ def _check_layer_sampling(cfg: Config) -> None:
         "sft.lisa.interval": cfg.sft.lisa.interval,
         "grpo.lisa.active_layers": cfg.grpo.lisa.active_layers,
         "grpo.lisa.interval": cfg.grpo.lisa.interval,
+        "dpo.lisa.active_layers": cfg.dpo.lisa.active_layers,
+        "dpo.lisa.interval": cfg.dpo.lisa.interval,
+        "scalebio.lisa.active_layers": cfg.scalebio.lisa.active_layers,
+        "scalebio.lisa.interval": cfg.scalebio.lisa.interval,
         "optimizer.layerwise.interval": cfg.optimizer.layerwise.interval,
     }
     if cfg.optimizer.layerwise.active_layers is not None:
@@ -817,6 +861,68 @@ def _check_grpo_extensions(g: GRPOConfig) -> None:
         if stage[0] <= last:
             raise ConfigError(f"{key}: steps must increase, got {int(stage[0])} after {int(last)}")
         last = stage[0]
+
+
+def _check_dpo(d: DPOConfig) -> None:
+    positive = {
+        "dpo.beta": d.beta,
+        "dpo.pairs_per_step": d.pairs_per_step,
+        "dpo.temperature": d.temperature,
+        "dpo.lr": d.lr,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {value}")
+    if d.samples_per_prompt < 2:
+        raise ConfigError(
+            f"dpo.samples_per_prompt: must be >= 2 (a pair), got {d.samples_per_prompt}"
+        )
+    if d.weight_decay < 0 or d.max_grad_norm < 0:
+        raise ConfigError("dpo.weight_decay, dpo.max_grad_norm: must be >= 0")
+    if not 0.0 <= d.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing: must be in [0, 0.5), got {d.label_smoothing}")
+    if d.label_smoothing and d.loss != "sigmoid":
+        raise ConfigError("dpo.label_smoothing: applies to loss sigmoid only (cDPO)")
+
+
+def _check_scalebio(cfg: Config) -> None:
+    s = cfg.scalebio
+    sources = cfg.data.sources
+    if sources and cfg.algorithm != "scalebio":
+        raise ConfigError(
+            f"data.sources: a mixture of sources is trained by algorithm: scalebio, not "
+            f"{cfg.algorithm} (use data.source)"
+        )
+    for name, path in sources.items():
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"data.sources.{name}: expected a file path or builtin:NAME")
+    if cfg.algorithm != "scalebio":
+        return
+    if len(sources) < 2:
+        raise ConfigError(
+            f"data.sources: scalebio reweights two or more sources (name: path), got {len(sources)}"
+        )
+    positive = {
+        "scalebio.batch_size": s.batch_size,
+        "scalebio.lr": s.lr,
+        "scalebio.weight_lr": s.weight_lr,
+        "scalebio.penalty": s.penalty,
+        "scalebio.max_length": s.max_length,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {value}")
+    if s.weight_decay < 0 or s.max_grad_norm < 0:
+        raise ConfigError("scalebio.weight_decay, scalebio.max_grad_norm: must be >= 0")
+    if cfg.data.sft_size < 1:
+        raise ConfigError(
+            "data.sft_size: scalebio validates on the sft split of data.source; must be >= 1"
+        )
+    if cfg.adapter.path is not None:
+        raise ConfigError(
+            "adapter.path: scalebio fine-tunes the base weights with LISA and takes no LoRA "
+            "adapter; merge it into the model first (essa export --merged) or drop adapter.path"
+        )
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -30,3 +30,12 @@ class Example:
     def target(self) -> str:
         """Text the SFT stage trains on after the prompt."""
         return self.solution if self.solution is not None else (self.answer or "")
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One DPO item: a raw question and two completions, ``chosen`` preferred to ``rejected``."""
+
+    prompt: str
+    chosen: str
+    rejected: str

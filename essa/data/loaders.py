@@ -38,7 +38,7 @@ import numpy as np
 from essa.data.arithmetic import arithmetic_examples
 from essa.data.generators import ARITHMETIC_LEVELS, level_examples
 from essa.rewards.extract import last_boxed, normalize_gold
-from essa.types import Example
+from essa.types import Example, PreferencePair
 
 BUILTIN_SOURCES = ("builtin:arithmetic", *(f"builtin:{name}" for name in ARITHMETIC_LEVELS))
 FILE_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".parquet")
@@ -267,6 +267,30 @@ def load_examples(
     if not examples:
         raise DataError(f"{source}: no examples")
     return examples
+
+
+PAIR_FIELDS = ("prompt", "chosen", "rejected")
+
+
+def load_preference_pairs(source: str) -> list[PreferencePair]:
+    """DPO pairs from a local file (one ``{"prompt", "chosen", "rejected"}`` object per JSONL
+    line; also .json/.csv/.parquet), in file order. Each field must be a non-empty string;
+    :class:`DataError` names FILE:LINE otherwise, and when the file holds no pair."""
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise DataError(f"{source}: no such file (preference pairs)")
+    pairs = []
+    for where, record in _records(source, None):
+        values = []
+        for name in PAIR_FIELDS:
+            value = _field(where, record, name)
+            if not isinstance(value, str) or not value.strip():
+                raise DataError(f"{where}: field {name!r} must be a non-empty string")
+            values.append(value)
+        pairs.append(PreferencePair(*values))
+    if not pairs:
+        raise DataError(f"{source}: no preference pairs")
+    return pairs
 
 
 def shuffle(examples: Sequence[Example], seed: int) -> list[Example]:
