@@ -75,3 +75,25 @@ def test_table_row_from_a_result() -> None:
     row = table(result).splitlines()[-1]
     assert row.startswith("| chain_sum | 0.040 | 0.200 | 0.210 | 0.260 | +0.060 (0.015) | 4.0 |")
     assert "0.220 (ESSA +0.040 ± 0.020)" in row and "3000 / 6000 MB (0.50x)" in row
+
+
+def test_grpo_options_summary_pairs_each_option_with_plain_grpo_of_its_seed() -> None:
+    from bench.grpo_options import OPTIONS, summarise
+    from bench.grpo_options import table as options_table
+
+    plain = [{"final": 0.5, "steps": 10, "scores": [1.0, 0.0, 0.0, 1.0]},
+             {"final": 0.25, "steps": 11, "scores": [0.0, 0.0, 0.0, 1.0]}]  # fmt: skip
+    option = [{"final": 0.75, "steps": 7, "scores": [1.0, 1.0, 0.0, 1.0]},
+              {"final": 0.25, "steps": 8, "scores": [0.0, 0.0, 1.0, 0.0]}]  # fmt: skip
+    s = summarise(option, plain)
+    # seed 0: diffs 0, 1, 0, 0 (gain 0.25, SE 0.25); seed 1: 0, 0, 1, -1 (gain 0, SE sqrt(2/3)/2)
+    assert s["vs_grpo"] == pytest.approx(0.125)
+    assert s["vs_grpo_se"] == pytest.approx(math.sqrt(0.25**2 + (2 / 3) / 4) / 2)
+    assert s["steps"] == [7, 8] and s["final"] == 0.5
+    result = {"summary": {"grpo": summarise(plain, plain), "cure": s}}
+    rows = options_table(result).splitlines()
+    assert rows[2].startswith("| `grpo` | 0.375 |") and rows[2].endswith("| - |")
+    assert (
+        rows[3] == "| `cure` | 0.500 | 0.750, 0.250 | 7, 8 | +0.125 (0.239) |"
+    )  # sqrt(0.0625 + 1/6) / 2
+    assert "grpo" in OPTIONS and all(isinstance(v, list) for v in OPTIONS.values())
