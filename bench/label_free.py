@@ -175,12 +175,7 @@ def main() -> None:
     parser.add_argument("--root", default="runs/bench-label-free")
     args = parser.parse_args()
     root = Path(args.root)
-    # Settings not rerun keep their recorded runs (one file, one table).
-    previous = read_result("label_free") or {}
-    result: dict[str, Any] = {
-        "runs": {k: v for k, v in previous.get("runs", {}).items() if k not in args.settings},
-        "summary": {k: v for k, v in previous.get("summary", {}).items() if k not in args.settings},
-    }
+    fresh: dict[str, list[dict[str, Any]]] = {}
     for setting in args.settings:
         runs = []
         for seed in args.seeds:
@@ -193,12 +188,22 @@ def main() -> None:
             print(f"[label_free] {setting} seed {seed}: {p['sft']:.3f} -> {p['final']:.3f} "
                   f"({p['gain']:+.3f}, SE {p['se']:.3f})", flush=True)  # fmt: skip
             runs.append(run)
-        result["runs"][setting] = runs
-        result["summary"][setting] = summarise(runs)
+        fresh[setting] = runs
+    # Settings not rerun keep their recorded runs (one file, one table); read only now, so a
+    # second invocation that finished meanwhile is kept too.
+    previous = read_result("label_free") or {}
+    kept = [k for k in previous.get("runs", {}) if k not in fresh]
+    result: dict[str, Any] = {
+        "runs": {**{k: previous["runs"][k] for k in kept}, **fresh},
+        "summary": {
+            **{k: previous["summary"][k] for k in kept},
+            **{k: summarise(v) for k, v in fresh.items()},
+        },  # fmt: skip
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     command = ("python -m bench.label_free " + " ".join(sys.argv[1:])).strip()
-    kept = previous.get("commands") or dict.fromkeys(result["runs"], previous.get("command"))
-    result["commands"] = {**kept, **dict.fromkeys(args.settings, command)}
+    commands = previous.get("commands") or dict.fromkeys(kept, previous.get("command"))
+    result["commands"] = {**{k: commands.get(k) for k in kept}, **dict.fromkeys(fresh, command)}
     write_result("label_free", result, command)
     plot(result, RESULTS / "label_free.png")
     print(table(result))
