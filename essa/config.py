@@ -194,6 +194,18 @@ class RunConfig:
     report_to: tuple[Literal["tensorboard", "wandb", "trackio"], ...] = ()
 
 
+@dataclass(frozen=True)
+class PrimeConfig:
+    """PRIME implicit process rewards (arXiv 2502.01456; docs/process-rewards.md §3)."""
+
+    enabled: bool = False  # off: the variant's own group advantages, unchanged
+    beta: float = 0.05  # r_t = beta * log(pi_phi / pi_ref) per token (the paper's beta)
+    prm_lr: float | None = None  # AdamW of the implicit PRM's LoRA (None: grpo.lr)
+    process_weight: float = 1.0  # weight of the process returns (verl reward_dpo_coef, 5)
+    outcome_weight: float = 1.0  # weight of the RLOO outcome advantage (reward_gt_coef, 5)
+    use_whitening: bool = True  # whiten the token advantages over the step batch (verl)
+
+
 GRPOLoss = Literal["grpo", "dr_grpo", "dapo", "ngrpo", "w_reinforce", "psr", "nsr", "dcpo"]
 
 
@@ -218,6 +230,7 @@ class GRPOConfig:
     trainable: Literal["lora", "singular_values", "lisa"] = "lora"  # singular_values: SVD-GRPO
     lisa: LisaConfig = field(default_factory=LisaConfig)  # trainable: lisa (SFT LoRA merged first)
     overlong_buffer: int = 0  # DAPO soft overlong punishment L_cache in tokens (0: off)
+    prime: PrimeConfig = field(default_factory=PrimeConfig)  # implicit PRM (trainable: lora)
 
 
 @dataclass(frozen=True)
@@ -720,10 +733,28 @@ def _check_grpo(g: GRPOConfig, max_new_tokens: int) -> None:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
     if g.epsilon_low is not None and not 0.0 <= g.epsilon_low < 1.0:
         raise ConfigError(f"grpo.epsilon_low: must be in [0, 1), got {g.epsilon_low}")
+    _check_prime(g)
     if g.overlong_buffer > max_new_tokens:
         raise ConfigError(
             f"grpo.overlong_buffer: {g.overlong_buffer} exceeds generation.max_new_tokens "
             f"({max_new_tokens})"
+        )
+
+
+def _check_prime(g: GRPOConfig) -> None:
+    p = g.prime
+    if not p.enabled:
+        return
+    if g.trainable != "lora":
+        raise ConfigError(
+            f"grpo.prime.enabled: the implicit PRM is a LoRA copy; needs grpo.trainable: lora "
+            f"(got {g.trainable})"
+        )
+    if not p.beta > 0 or (p.prm_lr is not None and not p.prm_lr > 0):
+        raise ConfigError(f"grpo.prime: beta and prm_lr must be > 0, got {p.beta}, {p.prm_lr}")
+    if p.process_weight < 0 or p.outcome_weight < 0 or p.process_weight + p.outcome_weight == 0:
+        raise ConfigError(
+            "grpo.prime: process_weight and outcome_weight must be >= 0, not both 0"
         )
 
 
