@@ -170,3 +170,14 @@ def test_prime_resume_after_kill_matches_uninterrupted(tmp_path: Path) -> None:
     ra = [{k: r[k] for k in keys} for r in records(ref) if r["generation"] >= 0]
     rb = [{k: r[k] for k in keys} for r in records(run_dir) if r["generation"] >= 0]
     assert ra == rb
+
+
+@pytest.mark.slow
+def test_resuming_a_run_without_prime_with_prime_on_is_one_error_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    res = essa("train", "--run-dir", str(run_dir), *sets(*SMALL, "run.generations=1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = essa("train", "--resume", str(run_dir), *sets(*PRIME, "run.generations=2"))
+    assert res.returncode == 2, res.stderr[-3000:]
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and "no implicit PRM" in lines[-1], res.stderr[-3000:]

@@ -269,7 +269,8 @@ def test_train_with_prm_reward_on_demo(tmp_path: Path, token_prm: Path, recipe: 
     run_dir = tmp_path / recipe
     res = essa(
         "train", "--run-dir", str(run_dir),
-        *sets(*SMALL, *own, "reward.name=prm", *params, "run.generations=2"),
+        *sets(*SMALL, *own, "reward.name=prm", *params, "run.generations=2",
+              "evaluation.use_scale_baseline=false"),
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

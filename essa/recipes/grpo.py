@@ -25,7 +25,9 @@ Deviations from the papers:
 * one process only: under MPI with two or more ranks the recipe refuses to start;
 * ``data.selection: greso`` refills each round to ``prompts_per_step`` instead of GRESO's
   adaptive over-sampling; ``data.hints`` uses reference-solution prefixes as Scaf-GRPO's tiers
-  (docs/informative-prompts.md).
+  (docs/informative-prompts.md);
+* ``grpo.prime`` (PRIME) swaps the variant's group advantages for token advantages from an
+  implicit PRM; its own deviations are listed in essa/recipes/prime.py.
 """
 
 from __future__ import annotations
