@@ -57,6 +57,9 @@ def load_step_scorer(
         raise ValueError(f"prm {path!r}: needs a fast tokenizer (character offsets of steps)")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    # Right padding keeps every real token at its unpadded position, whatever the model's
+    # position scheme (absolute positions shift under left padding).
+    tok.padding_side = "right"
     if net.config.pad_token_id is None:  # decoder classifiers find the last non-pad token
         net.config.pad_token_id = tok.pad_token_id
     labels = int(net.config.num_labels)
