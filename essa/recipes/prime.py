@@ -31,7 +31,7 @@ from torch import Tensor
 
 from essa.config import Config, PrimeConfig
 from essa.errors import UserError
-from essa.recipes.grpo_policy import Policy, Rollout, token_logprobs
+from essa.recipes.grpo_policy import Policy, Rollout, select, token_logprobs
 
 WHITEN_EPS = 1e-8  # verl masked_whiten
 
@@ -151,8 +151,6 @@ class ImplicitPRM:
         self, policy: Policy, batch: Rollout, outcome: Tensor, cfg: Config
     ) -> tuple[Tensor, dict[str, float | None]]:
         """Rewards from phi, one PRM update, token advantages (B, T) and the step's metrics."""
-        from essa.recipes.grpo_policy import select
-
         g = cfg.grpo
         t = batch.completion_ids.shape[1]
         chunks = [
