@@ -228,6 +228,18 @@ class EntropyConfig:
     floor: float = 0.0  # ERA-style activation: per-token entropy kept >= floor nats (0: off)
 
 
+@dataclass(frozen=True)
+class PrimeConfig:
+    """PRIME implicit process rewards (arXiv 2502.01456; docs/process-rewards.md §3)."""
+
+    enabled: bool = False  # off: the variant's own group advantages, unchanged
+    beta: float = 0.05  # r_t = beta * log(pi_phi / pi_ref) per token (the paper's beta)
+    prm_lr: float | None = None  # AdamW of the implicit PRM's LoRA (None: grpo.lr)
+    process_weight: float = 1.0  # weight of the process returns (verl reward_dpo_coef, 5)
+    outcome_weight: float = 1.0  # weight of the RLOO outcome advantage (reward_gt_coef, 5)
+    use_whitening: bool = True  # whiten the token advantages over the step batch (verl)
+
+
 GRPOLoss = Literal["grpo", "dr_grpo", "dapo", "ngrpo", "w_reinforce", "psr", "nsr", "dcpo"]
 
 
@@ -259,6 +271,7 @@ class GRPOConfig:
     train_examples: int | None = None  # only the first N training prompts (1-shot RLVR: 1)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     entropy: EntropyConfig = field(default_factory=EntropyConfig)
+    prime: PrimeConfig = field(default_factory=PrimeConfig)  # implicit PRM (trainable: lora)
 
 
 @dataclass(frozen=True)
@@ -803,6 +816,7 @@ def _check_grpo(g: GRPOConfig, max_new_tokens: int) -> None:
     if g.epsilon_low is not None and not 0.0 <= g.epsilon_low < 1.0:
         raise ConfigError(f"grpo.epsilon_low: must be in [0, 1), got {g.epsilon_low}")
     _check_grpo_extensions(g)
+    _check_prime(g)
     if g.overlong_buffer > max_new_tokens:
         raise ConfigError(
             f"grpo.overlong_buffer: {g.overlong_buffer} exceeds generation.max_new_tokens "
@@ -923,6 +937,26 @@ def _check_scalebio(cfg: Config) -> None:
             "adapter.path: scalebio fine-tunes the base weights with LISA and takes no LoRA "
             "adapter; merge it into the model first (essa export --merged) or drop adapter.path"
         )
+
+
+def _check_prime(g: GRPOConfig) -> None:
+    p = g.prime
+    if not p.enabled:
+        return
+    if g.trainable != "lora":
+        raise ConfigError(
+            f"grpo.prime.enabled: the implicit PRM is a LoRA copy; needs grpo.trainable: lora "
+            f"(got {g.trainable})"
+        )
+    if g.replay.capacity:
+        raise ConfigError(
+            "grpo.prime.enabled: PRIME's outcome labels are the fresh rollouts' own; it does not "
+            "combine with grpo.replay (set grpo.replay.capacity: 0)"
+        )
+    if not p.beta > 0 or (p.prm_lr is not None and not p.prm_lr > 0):
+        raise ConfigError(f"grpo.prime: beta and prm_lr must be > 0, got {p.beta}, {p.prm_lr}")
+    if p.process_weight < 0 or p.outcome_weight < 0 or p.process_weight + p.outcome_weight == 0:
+        raise ConfigError("grpo.prime: process_weight and outcome_weight must be >= 0, not both 0")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

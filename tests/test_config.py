@@ -174,3 +174,13 @@ def test_reference_weight_refusals(sets: list[str], fragment: str) -> None:
         load_config(None, sets)
     assert fragment in str(err.value) and "\n" not in str(err.value)
     assert load_config(None, ["reward.reference_weight=0.25"]).reward.reference_weight == 0.25
+
+
+def test_prime_with_replay_is_one_clear_line() -> None:
+    with pytest.raises(ConfigError, match="does not combine with grpo.replay") as err:
+        load_config(
+            None,
+            ["algorithm=grpo", "grpo.prime.enabled=true", "grpo.replay.capacity=16",
+             "grpo.replay.ratio=0.25"],
+        )  # fmt: skip
+    assert "\n" not in str(err.value)

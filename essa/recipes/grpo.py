@@ -33,7 +33,9 @@ Deviations from the papers:
 * one process only: under MPI with two or more ranks the recipe refuses to start;
 * ``data.selection: greso`` refills each round to ``prompts_per_step`` instead of GRESO's
   adaptive over-sampling; ``data.hints`` uses reference-solution prefixes as Scaf-GRPO's tiers
-  (docs/informative-prompts.md).
+  (docs/informative-prompts.md);
+* ``grpo.prime`` (PRIME) swaps the variant's group advantages for token advantages from an
+  implicit PRM; its own deviations are listed in essa/recipes/prime.py.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from essa.types import Example
 
 if TYPE_CHECKING:
     from essa.recipes.common import Task
+    from essa.recipes.prime import ImplicitPRM
     from essa.recipes.selection import Informative
 
 MAX_SAMPLING_ROUNDS = 4  # prompt batches drawn per step at most when groups are filtered
@@ -110,7 +113,10 @@ def run(
         policy = Policy.build(peft_model, g.trainable, cfg.adapter.alpha, _beta(cfg) != 0.0)
         optimizer = _make_optimizer(cfg, policy)
         data = _Data.build(task, cfg, tokenizer)
+        prime = _implicit_prm(cfg, policy)
         state = _load_checkpoint(run_dir, policy, optimizer) if resume else None
+        if prime is not None and state is not None:
+            prime.load(run_dir / "checkpoint", state)
         state = h.restore(state, done=state["step"] if state else 0)
         if state is None:
             state = _initial_state(cfg, h, policy, tokenizer, data)
@@ -135,13 +141,14 @@ def run(
                 state,
                 step.progress,
                 informative,
+                prime,
             )
             if h.due(step.index, cfg.evaluation.every):
                 record["heldout_accuracy"] = heldout_accuracy(
                     policy, tokenizer, data, cfg, h, generation=step.index
                 )
             state.update(step=step.index + 1, elapsed=h.elapsed)
-            step.finish(record, lambda: _save_checkpoint(run_dir, policy, optimizer, state))
+            step.finish(record, lambda: _save_checkpoint(run_dir, policy, optimizer, state, prime))
         state["model_bytes"] = base_bytes
         return _finish(cfg, h, policy, tokenizer, data, state, sft_dir)
 
@@ -184,6 +191,13 @@ def _seed_replay(cfg: Config, h: Harness, tokenizer: Any, data: _Data, reward: R
 def _beta(cfg: Config) -> float:
     """The KL coefficient in force: the config's, else the variant preset's."""
     return losses.get_variant(cfg.grpo.loss).beta if cfg.grpo.beta is None else cfg.grpo.beta
+
+
+def _implicit_prm(cfg: Config, policy: Policy) -> ImplicitPRM | None:
+    """PRIME's implicit PRM (grpo.prime; essa/recipes/prime.py), None when off."""
+    from essa.recipes.prime import ImplicitPRM
+
+    return ImplicitPRM.build(cfg, policy)
 
 
 def _make_optimizer(cfg: Config, policy: Policy) -> Any:
@@ -396,6 +410,7 @@ def train_step(
     state: dict[str, Any],
     round_bar: Callable[[int], Phase] | None = None,
     informative: Informative | None = None,
+    prime: ImplicitPRM | None = None,
 ) -> dict[str, Any]:
     """Sample, score, form advantages and update; returns the step's metrics record.
 
@@ -434,6 +449,10 @@ def train_step(
     counts = losses.step_counts(mask, group_index, cfg.generation.max_new_tokens)
     for param_group in optimizer.param_groups:
         param_group["lr"] = g.lr * lr_factor(step, cfg)
+    if prime is not None:  # PRIME: token advantages (B, T) from the implicit PRM, which learns
+        values, prime_stats = prime.step(policy, batch, torch.cat(groups.rewards), cfg)
+        record.update(prime_stats)
+        state["prime"] = prime.state()
     updates = _update(cfg, variant, policy, optimizer, batch, values, mask, counts, step)
     fresh = len(groups.prompt_ids) * g.group_size  # the first rows; replays follow
     lengths = batch.mask[:fresh].sum(-1)
@@ -619,7 +638,11 @@ def _history_from_json(data: dict[str, list[float]]) -> dict[int, losses.PromptS
 
 
 def _save_checkpoint(
-    run_dir: Path, policy: Policy, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    run_dir: Path,
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    prime: ImplicitPRM | None = None,
 ) -> None:
     """RUN_DIR/checkpoint/: state.json and tensors.safetensors (trainables, AdamW moments).
 
@@ -639,12 +662,14 @@ def _save_checkpoint(
             tensors[f"exp_avg.{i}"] = moments["exp_avg"].cpu().contiguous()
             tensors[f"exp_avg_sq.{i}"] = moments["exp_avg_sq"].cpu().contiguous()
         adam_steps.append(float(moments["step"]) if moments else 0.0)
-    extra = {"adam_steps": adam_steps, "lisa_steps": getattr(optimizer, "steps", None)}
+    if prime is not None:  # PRIME's implicit PRM and its moments
+        tensors.update(prime.tensors())
+    steps = {"adam_steps": adam_steps, "lisa_steps": getattr(optimizer, "steps", None)}
     fault = checkpoint_fault(state["step"])  # None unless ESSA_FAULT is set (tests)
     try:
         with atomic_dir(run_dir / "checkpoint") as tmp:
             save_file(tensors, str(tmp / "tensors.safetensors"))
-            (tmp / "state.json").write_text(json.dumps({**state, **extra}))
+            (tmp / "state.json").write_text(json.dumps({**state, **steps}))
             if fault is not None:
                 fault()
     except OSError as err:

@@ -259,6 +259,11 @@ class TokenLoss(NamedTuple):
     kl: Tensor | None  # (B, T) k3, or None when β = 0
 
 
+def _per_token(advantages: Tensor) -> Tensor:
+    """(B,) sequence advantages broadcast over tokens as (B, 1); (B, T) ones pass through."""
+    return advantages if advantages.dim() == 2 else advantages[:, None]
+
+
 def clipped_token_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -273,11 +278,11 @@ def clipped_token_loss(
     """ℓ = −min(ρ·Â, clip(ρ, low, high)·Â) (+ dual-clip for Â < 0) + β·k3 (spec §1, §3).
 
     ``logp``/``old_logp``/``ref_logp`` are (B, T) log-probs of the sampled tokens;
-    ``advantages`` is (B,), shared by every token of a completion. With ``old_logp =
+    ``advantages`` is (B,), shared by every token of a completion, or (B, T) per token. With ``old_logp =
     logp.detach()`` (one update per rollout) ρ = 1 and the gradient is Â·∇log π.
     """
     ratio = torch.exp(logp - old_logp)  # (B, T)
-    adv = advantages[:, None]  # (B, 1)
+    adv = _per_token(advantages)  # (B, 1), or (B, T) token advantages (PRIME)
     bounded = torch.clamp(ratio, torch.as_tensor(low), torch.as_tensor(high))  # (B, T)
     loss = -torch.min(ratio * adv, bounded * adv)  # (B, T)
     if dual_clip is not None:
@@ -294,7 +299,7 @@ def clipped_token_loss(
 
 def clip_fractions(token: TokenLoss, advantages: Tensor, mask: Tensor) -> tuple[float, float]:
     """Fractions of completion tokens clipped below (Â < 0) and above (Â > 0), as TRL logs."""
-    adv = advantages[:, None]  # (B, 1)
+    adv = _per_token(advantages)  # (B, 1) or (B, T)
     low = (token.ratio < token.low) & (adv < 0)  # (B, T)
     high = (token.ratio > token.high) & (adv > 0)  # (B, T)
     tokens = mask.sum().clamp(min=1)

@@ -43,6 +43,19 @@ def _gym_score(stats: RewardStats, **params: Any) -> ScoreFn:
     return gym_score(stats, **params)
 
 
+def _prm(stats: RewardStats, **params: Any) -> ScoreFn:
+    """``prm`` from the config: its outcome reward (a plain text reward) is looked up here."""
+    from essa.rewards.prm import prm_reward
+
+    def load_outcome(name: str, outcome_params: dict[str, object]) -> ScoreFn:
+        outcome = get_reward(name, **outcome_params)
+        if outcome.is_group or outcome.needs:
+            raise ValueError(f"prm: outcome {name!r} must be a plain text reward")
+        return outcome
+
+    return prm_reward(stats, load_outcome, **params)
+
+
 def _noisy(
     stats: RewardStats,
     *,
@@ -87,6 +100,7 @@ REWARDS: dict[str, RewardSpec] = {
     "reward_model": RewardSpec(
         _reward_model, signature_of=_lazy("essa.rewards.reward_model", "reward_model")
     ),
+    "prm": RewardSpec(_prm, signature_of=_lazy("essa.rewards.prm", "prm_reward")),
     "gym_score": RewardSpec(_gym_score, signature_of=_lazy("essa.rewards.gym", "gym_score")),
 }
 
@@ -141,7 +155,8 @@ def _load_custom(name: str, params: dict[str, object]) -> ScoreFn:
 def _check_params(name: str, spec: RewardSpec, params: dict[str, object]) -> None:
     target = spec.signature_of() if spec.signature_of is not None else spec.factory
     signature = inspect.signature(target).parameters
-    accepted = [p for p in signature if p != "stats"]
+    # Positional-only parameters are the registry's own (stats, an injected lookup).
+    accepted = [p for p, v in signature.items() if p != "stats" and v.kind is not v.POSITIONAL_ONLY]
     if spec.needs is not None:
         accepted.append("scorer")
     unknown = sorted(set(params) - set(accepted))
