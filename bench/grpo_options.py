@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import launch, write_result
+from bench.common import launch, read_result, write_result
 from bench.real_model import paired, passes
 
 RESULTS = Path("bench/results")
@@ -42,16 +42,42 @@ OPTIONS: dict[str, list[str]] = {
     "cure": ["grpo.cure.use_branching=true", "grpo.cure.branches=3", "grpo.group_size=8"],
     "dpo_online": ["algorithm=dpo", "dpo.lr_schedule=constant"],
     "one_shot": ["grpo.train_examples=1", "grpo.entropy.coef=0.01"],
-}
+    # An SFT-stage method, from the base model rather than the SFT adapter: LISA SFT over a clean
+    # and a pure-noise source (the training pool's answers shuffled), weights learned.
+    "scalebio_mixture": ["algorithm=scalebio", "scalebio.lr=1e-4", "scalebio.weight_lr=5",
+                         "data.sources={{clean: {root}/clean.jsonl, noise: {root}/noise.jsonl}}"],
+}  # fmt: skip
 
 
-def run(option: str, seed: int, budget: int, root: Path, threads: int) -> dict[str, Any]:
+def write_sources(root: Path) -> None:
+    """ScaleBiO's two sources from the demo's training pool: right answers, shuffled answers."""
+    import numpy as np
+
+    from essa.data.loaders import builtin_examples
+
+    train, _ = builtin_examples("builtin:arithmetic")
+    order = np.random.default_rng(0).permutation(len(train))
+    clean, noisy = [train[i] for i in order[:300]], [train[i] for i in order[300:600]]
+    shuffled = [noisy[i].answer for i in np.random.default_rng(1).permutation(len(noisy))]
+    for name, pairs in (
+        ("clean", [(e.prompt, e.answer) for e in clean]),
+        ("noise", [(e.prompt, a) for e, a in zip(noisy, shuffled, strict=True)]),
+    ):
+        lines = (json.dumps({"question": q, "answer": a}) + "\n" for q, a in pairs)
+        (root / f"{name}.jsonl").write_text("".join(lines))  # fmt: skip
+
+
+def run(
+    option: str, seed: int, budget: int, root: Path, threads: int, reuse: bool = False
+) -> dict[str, Any]:
     run_dir = root / option / f"seed{seed}"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    sets = [*COMMON, f"run.seed={seed}", f"run.max_wall_seconds={budget}", *OPTIONS[option]]
+    options = [o.format(root=root.resolve()) for o in OPTIONS[option]]
+    sets = [*COMMON, f"run.seed={seed}", f"run.max_wall_seconds={budget}", *options]
     cmd = [sys.executable, "-m", "essa.cli", "train", "--overwrite", "--run-dir", str(run_dir)]
     cmd += [x for s in sets for x in ("--set", s)]
-    wall = launch(cmd, run_dir.parent / f"seed{seed}.log", threads)
+    done = reuse and (run_dir / "summary.json").exists()
+    wall = None if done else launch(cmd, run_dir.parent / f"seed{seed}.log", threads)
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
         "seed": seed,
@@ -96,25 +122,40 @@ def main() -> None:
     parser.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--root", default="runs/bench-grpo-options")
+    parser.add_argument(
+        "--reuse-grpo", action="store_true", help="reuse finished plain-GRPO runs under --root"
+    )
     args = parser.parse_args()
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    write_sources(root)
     options = ["grpo", *(o for o in args.options if o != "grpo")]  # the reference runs first
     runs: dict[str, list[dict]] = {}
     for option in options:
         runs[option] = []
         for seed in args.seeds:
             print(f"[grpo_options] {option} seed {seed} ...", flush=True)
-            r = run(option, seed, args.budget, Path(args.root), args.threads)
+            reuse = args.reuse_grpo and option == "grpo"
+            r = run(option, seed, args.budget, root, args.threads, reuse)
             print(f"[grpo_options] {option} seed {seed}: {r['sft']:.3f} -> {r['final']:.3f} "
                   f"in {r['steps']} steps", flush=True)  # fmt: skip
             runs[option].append(r)
+    # Options not rerun keep their recorded rows when the budget matches (one table).
+    previous = read_result("grpo_options") or {}
+    if previous.get("budget_seconds") != args.budget:
+        previous = {}
+    kept = [o for o in previous.get("summary", {}) if o not in runs]
+    fresh_runs = {o: [{k: v for k, v in r.items() if k != "scores"} for r in rs]
+                  for o, rs in runs.items()}  # fmt: skip
     result: dict[str, Any] = {
         "budget_seconds": args.budget,
-        "options": {o: OPTIONS[o] for o in options},
+        "options": {**{o: previous["options"][o] for o in kept}, **{o: OPTIONS[o] for o in runs}},
         "common": COMMON,
-        "summary": {o: summarise(runs[o], runs["grpo"]) for o in options},
-        "runs": {
-            o: [{k: v for k, v in r.items() if k != "scores"} for r in rs] for o, rs in runs.items()
+        "summary": {
+            **{o: previous["summary"][o] for o in kept},
+            **{o: summarise(runs[o], runs["grpo"]) for o in runs},
         },  # fmt: skip
+        "runs": {**{o: previous["runs"][o] for o in kept}, **fresh_runs},
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     write_result("grpo_options", result, "python -m bench.grpo_options " + " ".join(sys.argv[1:]))
