@@ -107,7 +107,9 @@ def table(result: dict[str, Any]) -> str:
         "(paired SE) |",
         "|---|---|---|---|---|",
     ]
-    for option, s in result["summary"].items():
+    order = sorted(result["summary"], key=lambda o: o != "grpo")  # the reference row first
+    for option in order:
+        s = result["summary"][option]
         per_seed = ", ".join(f"{v:.3f}" for v in s["per_seed_final"])
         steps = ", ".join(str(v) for v in s["steps"])
         vs = "-" if option == "grpo" else f"{s['vs_grpo']:+.3f} ({s['vs_grpo_se']:.3f})"
