@@ -168,10 +168,14 @@ def test_population_pool_two_ranks_match_one_rank(
     _run(tiny_model_dir, two, 2, "run.generations=2", *sets)
     assert trajectory(two) == trajectory(one)  # fitness, majority share, held-out, ...
     assert_same_adapter(two, one)
-    # Rank 0 receives the other rank's answer keys (8 bytes each) besides fitness and checks.
+    # Rank 0 receives the other rank's answer keys (8 bytes each) besides fitness and checks;
+    # with the tie-breaker, instead, two more (P,) float gathers (the fitness with the term,
+    # the term alone): each the other rank's 2 candidates x 8 bytes plus an 8-byte count.
     k = 2 if "generation.samples_per_prompt=2" in sets else 1
+    pooled = "reward.params.pool=population" in sets
+    expected = 96 + (8 * (2 * 4 * k) + 8 if pooled else 2 * (8 + 8 * 2))
     for record in generations(two)[1:]:
-        assert record["comm_bytes"] == 96 + 8 * (2 * 4 * k) + 8
+        assert record["comm_bytes"] == expected
 
 
 def test_heldout_decoding_is_greedy_under_a_sampling_config(setup) -> None:  # type: ignore[no-untyped-def]

@@ -264,6 +264,7 @@ def test_two_ranks_match_one_rank(reference: Path, tiny_model_dir: Path, tmp_pat
         "metrics.jsonl",
         "phases.jsonl",
         "samples.jsonl",
+        "heldout_scores.jsonl",
         "checkpoint.json",
         "sft_adapter",
         "adapter",
