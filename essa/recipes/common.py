@@ -18,6 +18,7 @@ from essa.types import Example
 
 if TYPE_CHECKING:
     from essa.adapters.svd import SVDAdapter
+    from essa.dist import Comm
     from essa.harness import Harness, Reporter
     from essa.protocols import Optimizer
 
@@ -254,3 +255,19 @@ def _adapter_targets(path: Path) -> list[str]:
     cfg = json.loads((path / "adapter_config.json").read_text())
     targets = cfg.get("target_modules") or []
     return [targets] if isinstance(targets, str) else list(targets)
+
+
+def one_process_harness(
+    cfg: Config, run_dir: Path, *, resume: bool, console: Any, comm: Comm | None
+) -> Harness:
+    """The gradient recipes' harness (unit: steps); they refuse to run on more than one rank."""
+    from essa.dist import get_comm
+    from essa.harness import Harness
+
+    comm = get_comm() if comm is None else comm
+    if comm.world_size > 1:
+        raise UserError(
+            f"algorithm: {cfg.algorithm} runs in one process for now (got {comm.world_size} "
+            "ranks); launch it without mpiexec/srun"
+        )
+    return Harness(cfg, run_dir, resume=resume, console=console, comm=comm, unit="steps")

@@ -58,17 +58,10 @@ def run(
 ) -> dict[str, Any]:
     """Train with DPO; return the summary (also in summary.json)."""
     from essa.backends.memory import model_bytes
-    from essa.dist import get_comm
     from essa.recipes import common
     from essa.rewards.loading import load_reward
 
-    comm = get_comm() if comm is None else comm
-    if comm.world_size > 1:
-        raise UserError(
-            f"algorithm: dpo runs in one process for now (got {comm.world_size} ranks); "
-            "launch it without mpiexec/srun"
-        )
-    h = Harness(cfg, run_dir, resume=resume, console=console, comm=comm, unit="steps")
+    h = common.one_process_harness(cfg, run_dir, resume=resume, console=console, comm=comm)
     d = cfg.dpo
     common.seed_everything(cfg.run.seed)
     task = common.load_task(cfg.data, cfg.run.seed)

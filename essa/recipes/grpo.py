@@ -81,17 +81,10 @@ def run(
 ) -> dict[str, Any]:
     """Train with the configured GRPO variant; return the summary (also in summary.json)."""
     from essa.backends.memory import model_bytes
-    from essa.dist import get_comm
     from essa.recipes import common
     from essa.rewards.loading import load_reward
 
-    comm = get_comm() if comm is None else comm
-    if comm.world_size > 1:
-        raise UserError(
-            f"algorithm: grpo runs in one process for now (got {comm.world_size} ranks); "
-            "launch it without mpiexec/srun"
-        )
-    h = Harness(cfg, run_dir, resume=resume, console=console, comm=comm, unit="steps")
+    h = common.one_process_harness(cfg, run_dir, resume=resume, console=console, comm=comm)
     g = cfg.grpo
     variant = losses.get_variant(g.loss)
     common.seed_everything(cfg.run.seed)

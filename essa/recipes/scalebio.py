@@ -68,16 +68,9 @@ def run(
 ) -> dict[str, Any]:
     """Train with ScaleBiO; return the summary (also in summary.json)."""
     from essa.backends.memory import model_bytes
-    from essa.dist import get_comm
     from essa.recipes import common
 
-    comm = get_comm() if comm is None else comm
-    if comm.world_size > 1:
-        raise UserError(
-            f"algorithm: scalebio runs in one process for now (got {comm.world_size} ranks); "
-            "launch it without mpiexec/srun"
-        )
-    h = Harness(cfg, run_dir, resume=resume, console=console, comm=comm, unit="steps")
+    h = common.one_process_harness(cfg, run_dir, resume=resume, console=console, comm=comm)
     common.seed_everything(cfg.run.seed)
     task = common.load_task(cfg.data, cfg.run.seed)
     h.check_heldout(task.test)
