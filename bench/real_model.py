@@ -1,6 +1,7 @@
 """ESSA on a real pretrained model: SmolLM2-135M-Instruct on reasoning-gym tasks, beside GRPO.
 
-    python -m bench.real_model [--seeds 0 1 2] [--tasks chain_sum ...] [--no-grpo] [--set k=v]
+    python -m bench.real_model [--seeds 0 1 2] [--tasks chain_sum ...] [--no-grpo]
+                               [--grpo-tasks chain_sum ...] [--set k=v]
 
 For each task (reasoning-gym generators and scorers; nobody here wrote them) this runs, each in
 a fresh process, from ``configs/smollm2.yaml`` with only the task swapped in:
@@ -190,7 +191,7 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
         "essa_vs_sft": pooled(runs, "essa_vs_sft"),
         "essa_vs_base": [paired(r["scores"]["final"], base["scores"]) for r in runs],
     }
-    if args.grpo:
+    if args.grpo and task in (args.grpo_tasks or TASKS):
         print(f"[real_model] {task} seed {runs[0]['seed']}: grpo train ...", flush=True)
         grpo = grpo_seed(config, runs[0], root, args.overrides, args.threads)
         result["grpo"] = grpo
@@ -268,6 +269,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--no-grpo", dest="grpo", action="store_false")
+    parser.add_argument(
+        "--grpo-tasks",
+        nargs="+",
+        choices=list(TASKS),
+        default=None,
+        help="run GRPO beside ESSA on these tasks only (default: every task)",
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--root", default="runs/bench-real-model")

@@ -91,6 +91,10 @@ class OptimizerConfig:
     variant: Literal["auto", "full", "sep"] = "auto"  # cma_es covariance
     sep_above_dim: int = 2000  # cma_es: diagonal covariance above this dimension when auto
     mirrored: bool = False  # cma_es: antithetic candidate pairs (openai_es always samples them)
+    # Where the search starts: the SFT adapter (offsets 0), or the no-search baseline's best
+    # uniformly scaled SFT adapter (runs the scale baseline; its factor chosen on training
+    # prompts), so the search spends no generations on the one direction scaling already finds.
+    start: Literal["sft", "scale_baseline"] = "sft"
     lr: float = 0.1  # openai_es step size
     step: Literal["adam", "sgd"] = "adam"  # openai_es step rule
     layerwise: LayerwiseConfig = field(default_factory=LayerwiseConfig)

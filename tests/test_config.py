@@ -143,7 +143,7 @@ def test_cli_validate_shipped_and_bad(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert res.stderr.strip() == (
         f"error: {bad}:2: optimizer.popsize: unknown key (known: name, population_size, sigma0, "
-        "use_relative_steps, variant, sep_above_dim, mirrored, lr, step, layerwise)"
+        "use_relative_steps, variant, sep_above_dim, mirrored, start, lr, step, layerwise)"
     )
 
 

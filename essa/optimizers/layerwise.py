@@ -104,6 +104,7 @@ class LayerwiseES(BestSoFar):
         seed: int,
         stds: np.ndarray | None = None,  # (D,) relative steps; sliced per block
         use_carried_sigma: bool = False,  # start each block at the last block's sigma
+        x0: np.ndarray | None = None,  # (D,) initial anchor; zeros = the SFT adapter in ESSA
         **options: Any,  # the inner optimizer's own options
     ) -> None:
         self._layers = [
@@ -135,7 +136,10 @@ class LayerwiseES(BestSoFar):
             "use_carried_sigma": use_carried_sigma,
             "options": {k: options[k] for k in sorted(options)},
         }
-        self._start_block(0, np.zeros(dim), float(sigma0))
+        anchor0 = np.zeros(dim) if x0 is None else as_vector(x0, dim, "x0")
+        if x0 is not None:  # only then, so that checkpoints written before the option still load
+            self._config["x0"] = anchor0.tolist()
+        self._start_block(0, anchor0, float(sigma0))
         self._generation = 0
 
     # ------------------------------------------------------------------ blocks

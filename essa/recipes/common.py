@@ -14,7 +14,7 @@ import torch
 
 from essa.config import Config, DataConfig
 from essa.errors import UserError
-from essa.types import Example
+from essa.types import AdapterVector, Example
 
 if TYPE_CHECKING:
     from essa.adapters.svd import SVDAdapter
@@ -191,8 +191,13 @@ def svd_adapter(peft_model: Any, alpha: float) -> SVDAdapter:
         raise UserError(f"adapter: {err}") from None
 
 
-def make_es_optimizer(cfg: Config, adapter: SVDAdapter) -> Optimizer:
-    """The configured optimizer over the adapter's D offsets, layerwise when configured."""
+def make_es_optimizer(
+    cfg: Config, adapter: SVDAdapter, x0: AdapterVector | None = None
+) -> Optimizer:
+    """The configured optimizer over the adapter's D offsets, layerwise when configured.
+
+    ``x0`` (D,): the initial mean; None = zeros, the SFT adapter itself.
+    """
     from essa.optimizers import make_optimizer
 
     o = cfg.optimizer
@@ -207,6 +212,8 @@ def make_es_optimizer(cfg: Config, adapter: SVDAdapter) -> Optimizer:
         seed=cfg.run.seed,
         stds=adapter.stds() if o.use_relative_steps else None,
     )
+    if x0 is not None:  # only then: layerwise checkpoints written before x0 still load
+        options["x0"] = x0
     if o.layerwise.active_layers is None:
         return make_optimizer(o.name, adapter.dim, **options)
     from essa.adapters.layerwise import layer_blocks

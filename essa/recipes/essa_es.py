@@ -13,6 +13,8 @@ Deviations from the paper (see ../shared/spec/essa.md §4):
 * the exported solution is the distribution mean by default (``evaluation.select``), because the
   best candidate's mini-batch score is a lucky draw;
 * SFT time is included in the wall time we report (the paper excludes it);
+* optional (off by default): the search starts at the no-search baseline's best uniformly
+  scaled SFT adapter instead of the SFT adapter (``optimizer.start: scale_baseline``);
 * optional (off by default): GRESO prompt skipping and Scaf-GRPO hints on the shared prompts
   (``data.selection``, ``data.hints``; docs/informative-prompts.md), not in the ESSA paper.
 """
@@ -88,16 +90,19 @@ def run(
         evaluator.record_logprobs = COMPLETION_LOGPROBS in reward.needs  # type: ignore[attr-defined]
         train_prompts, test_prompts = common.render_splits(task, cfg.data, tokenizer)
         heldout = functools.partial(_heldout, h, evaluator, task.test, test_prompts)
-        opt = common.make_es_optimizer(cfg, adapter)
-        state = h.restore(_load_checkpoint(run_dir, opt) if resume else None, done=opt.generation)
+        build = functools.partial(_optimizer, cfg, adapter)
+        opt, loaded = _load_checkpoint(run_dir, build) if resume else (None, None)
+        state = h.restore(loaded, done=opt.generation if opt is not None else 0)
         if state is None:
             state = _initial_state(cfg, h, evaluator, adapter, task, train_prompts, reward, heldout)
             h.log(_baseline_record(state, adapter.dim, memory_metrics(base_bytes)))
+        opt = opt if opt is not None else build(state.get("scale_baseline"))
         informative = _informative(cfg, tokenizer, state.get("informative"))
         h.say(
             f"ESSA: D={adapter.dim} singular-value offsets, population "
             f"{cfg.optimizer.population_size}, {cfg.data.batch_size} prompts/generation, "
             f"held-out {h.metric_name} baseline {state['baseline_accuracy']:.3f}"
+            + _start_note(cfg, state.get("scale_baseline"))
         )
         for step in h.steps(opt.generation, show=_shown):
             g = step.index
@@ -219,7 +224,7 @@ def _initial_state(
         "best_vector": None,
         "elapsed": 0.0,
     }
-    if cfg.evaluation.use_scale_baseline:
+    if cfg.evaluation.use_scale_baseline or cfg.optimizer.start == "scale_baseline":
         rows = scale_rows(task.train, h.comm.rank, h.comm.world_size)
         with h.phase("scale baseline", rows, unit="rows") as bar:
             state["scale_baseline"] = scale_baseline(
@@ -264,8 +269,39 @@ def _save_checkpoint(run_dir: Path, opt: Optimizer, state: dict[str, Any]) -> No
     write_json_checkpoint(run_dir, {"optimizer": opt.state_dict(), **state}, opt.generation)
 
 
-def _load_checkpoint(run_dir: Path, opt: Optimizer) -> dict[str, Any] | None:
-    return read_json_checkpoint(run_dir, lambda data: opt.load_state_dict(data.pop("optimizer")))
+def _optimizer(cfg: Config, adapter: SVDAdapter, scale: dict[str, Any] | None) -> Optimizer:
+    """The run's optimizer; with ``optimizer.start: scale_baseline`` its mean starts at the scale
+    baseline's factor (``scale``, None when it did not run or failed: the SFT adapter)."""
+    from essa.recipes import common
+    from essa.recipes.baselines import scale_vector
+
+    if cfg.optimizer.start == "scale_baseline" and scale is not None:
+        return common.make_es_optimizer(cfg, adapter, x0=scale_vector(adapter, scale["factor"]))
+    return common.make_es_optimizer(cfg, adapter)
+
+
+def _start_note(cfg: Config, scale: dict[str, Any] | None) -> str:
+    if cfg.optimizer.start != "scale_baseline":
+        return ""
+    if scale is None:
+        return "; the scale baseline failed, so the search starts at the SFT adapter"
+    return f"; the search starts at the SFT adapter x{scale['factor']:g} (the scale baseline)"
+
+
+def _load_checkpoint(
+    run_dir: Path, build: Callable[[dict[str, Any] | None], Optimizer]
+) -> tuple[Optimizer | None, dict[str, Any] | None]:
+    """The optimizer restored from checkpoint.json (built from the saved scale baseline, so its
+    start matches) and the recipe's state; (None, None) when there is no checkpoint."""
+    restored: list[Optimizer] = []
+
+    def restore(data: dict[str, Any]) -> None:
+        opt = build(data.get("scale_baseline"))
+        opt.load_state_dict(data.pop("optimizer"))
+        restored.append(opt)
+
+    data = read_json_checkpoint(run_dir, restore)
+    return (restored[0] if restored else None), data
 
 
 def _finish(
