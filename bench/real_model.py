@@ -80,11 +80,30 @@ def sets(overrides: list[str]) -> list[str]:
     return [x for o in overrides for x in ("--set", o)]
 
 
-def base_scores(config: Path, root: Path, overrides: list[str], threads: int) -> dict[str, Any]:
+def reusable(done: Path, log: Path, reuse: bool) -> float | None:
+    """With ``--reuse``, the wall seconds recorded for a finished command (its output ``done``
+    exists), so it is not run again; None: run it."""
+    if not (reuse and done.exists() and log.with_suffix(".seconds").exists()):
+        return None
+    return float(log.with_suffix(".seconds").read_text())
+
+
+def timed(args: list[str], done: Path, log: Path, threads: int, reuse: bool) -> float:
+    """``essa ARGS`` unless ``--reuse`` finds it finished; its wall seconds, kept beside the log."""
+    seconds = reusable(done, log, reuse)
+    if seconds is None:
+        seconds = essa(args, log, threads)
+        log.with_suffix(".seconds").write_text(f"{seconds}\n")
+    return seconds
+
+
+def base_scores(
+    config: Path, root: Path, overrides: list[str], threads: int, reuse: bool = False
+) -> dict[str, Any]:
     """Held-out per-item scores of the base model (no adapter)."""
     out = root / "base_eval.json"
-    seconds = essa(["eval", str(config), *sets(overrides), "--output", str(out)],
-                   root / "base_eval.log", threads)  # fmt: skip
+    seconds = timed(["eval", str(config), *sets(overrides), "--output", str(out)],
+                    out, root / "base_eval.log", threads, reuse)  # fmt: skip
     items = (root / "base_eval.items.jsonl").read_text().splitlines()
     return {"scores": [float(json.loads(x)["reward"] or 0.0) for x in items], "seconds": seconds}
 
@@ -112,11 +131,13 @@ def paired(a: list[float], b: list[float]) -> dict[str, float]:
     return {"gain": statistics.mean(diff), "se": se, "n": n}
 
 
-def essa_seed(config: Path, seed: int, root: Path, overrides: list[str], threads: int) -> dict:
+def essa_seed(
+    config: Path, seed: int, root: Path, overrides: list[str], threads: int, reuse: bool = False
+) -> dict:
     run_dir = root / f"essa-seed{seed}"
     args = ["train", str(config), "--overwrite", "--run-dir", str(run_dir),
             "--set", f"run.seed={seed}", *sets(ESSA_SETS), *sets(overrides)]  # fmt: skip
-    wall = essa(args, root / f"essa-seed{seed}.log", threads)
+    wall = timed(args, run_dir / "summary.json", root / f"essa-seed{seed}.log", threads, reuse)
     summary = json.loads((run_dir / "summary.json").read_text())
     scores = passes(run_dir)
     margins = [
@@ -137,7 +158,14 @@ def essa_seed(config: Path, seed: int, root: Path, overrides: list[str], threads
     }
 
 
-def grpo_seed(config: Path, essa_run: dict, root: Path, overrides: list[str], threads: int) -> dict:
+def grpo_seed(
+    config: Path,
+    essa_run: dict,
+    root: Path,
+    overrides: list[str],
+    threads: int,
+    reuse: bool = False,
+) -> dict:
     """GRPO from the ESSA run's own SFT adapter, with the ESSA run's wall-clock as budget."""
     run_dir = root / f"grpo-seed{essa_run['seed']}"
     budget = int(essa_run["summary"]["wall_seconds"])
@@ -146,7 +174,8 @@ def grpo_seed(config: Path, essa_run: dict, root: Path, overrides: list[str], th
             "--set", f"adapter.path={essa_run['summary']['sft_adapter_dir']}",
             "--set", f"run.max_wall_seconds={budget}", "--set", "run.generations=1000",
             *sets(GRPO_SETS), *sets(overrides)]  # fmt: skip
-    wall = essa(args, root / f"grpo-seed{essa_run['seed']}.log", threads)
+    log = root / f"grpo-seed{essa_run['seed']}.log"
+    wall = timed(args, run_dir / "summary.json", log, threads, reuse)
     summary = json.loads((run_dir / "summary.json").read_text())
     scores = passes(run_dir)
     return {
@@ -173,11 +202,11 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.root) / task
     config = task_config(task, TASKS[task], root)
     print(f"[real_model] {task}: base model eval ...", flush=True)
-    base = base_scores(config, root, args.overrides, args.threads)
+    base = base_scores(config, root, args.overrides, args.threads, args.reuse)
     runs = []
     for seed in args.seeds:
         print(f"[real_model] {task} seed {seed}: essa train ...", flush=True)
-        run = essa_seed(config, seed, root, args.overrides, args.threads)
+        run = essa_seed(config, seed, root, args.overrides, args.threads, args.reuse)
         p = run["essa_vs_sft"]
         print(f"[real_model] {task} seed {seed}: SFT {run['accuracy']['sft']:.3f} -> ESSA "
               f"{run['accuracy']['final']:.3f} ({p['gain']:+.3f}, paired SE {p['se']:.3f}), "
@@ -193,7 +222,7 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.grpo and task in (args.grpo_tasks or TASKS):
         print(f"[real_model] {task} seed {runs[0]['seed']}: grpo train ...", flush=True)
-        grpo = grpo_seed(config, runs[0], root, args.overrides, args.threads)
+        grpo = grpo_seed(config, runs[0], root, args.overrides, args.threads, args.reuse)
         result["grpo"] = grpo
         plot_task(task, runs[0], grpo, RESULTS / f"real_model_{task}.png")
     for run in runs:  # per-item scores stay in the run directories
@@ -278,6 +307,9 @@ def main() -> None:
     )
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep finished runs under --root (their summary.json and recorded "
+                        "seconds) and run only the missing ones, e.g. more seeds later")
     parser.add_argument("--root", default="runs/bench-real-model")
     args = parser.parse_args()
     result: dict[str, Any] = {"config": str(CONFIG), "overrides": args.overrides, "tasks": {}}

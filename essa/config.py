@@ -276,6 +276,10 @@ class GRPOConfig:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     entropy: EntropyConfig = field(default_factory=EntropyConfig)
     prime: PrimeConfig = field(default_factory=PrimeConfig)  # implicit PRM (trainable: lora)
+    # reward.name: prm only. sequence: the PRM's aggregate enters the group advantage like any
+    # reward; step: each token also gets its step's value minus the whole completion's (PURE's
+    # min-form credit with aggregate: min; docs/process-rewards.md §2).
+    prm_credit: Literal["sequence", "step"] = "sequence"
 
 
 @dataclass(frozen=True)
@@ -651,6 +655,7 @@ def check_values(cfg: Config) -> None:
     _check_heldout_metric(cfg.evaluation.metric)
     _check_data(cfg)
     _check_grpo(cfg.grpo, cfg.generation.max_new_tokens)
+    _check_prm_credit(cfg)
     _check_dpo(cfg.dpo)
     _check_scalebio(cfg)
     _check_layer_sampling(cfg)
@@ -941,6 +946,31 @@ def _check_scalebio(cfg: Config) -> None:
             "adapter.path: scalebio fine-tunes the base weights with LISA and takes no LoRA "
             "adapter; merge it into the model first (essa export --merged) or drop adapter.path"
         )
+
+
+def _check_prm_credit(cfg: Config) -> None:
+    g = cfg.grpo
+    if g.prm_credit == "sequence":
+        return
+    if cfg.algorithm != "grpo":
+        raise ConfigError(
+            f"grpo.prm_credit: step credit is for algorithm: grpo, not {cfg.algorithm}"
+        )
+    if cfg.reward.name != "prm":
+        raise ConfigError(
+            f"grpo.prm_credit: step credit needs the PRM's step scores: reward.name: prm "
+            f"(got {cfg.reward.name})"
+        )
+    clash = {
+        "grpo.replay.capacity": g.replay.capacity > 0,  # replayed rows carry no step scores
+        "grpo.cure.use_branching": g.cure.use_branching,
+        "grpo.prime.enabled": g.prime.enabled,  # PRIME's token advantages replace the group's
+    }
+    for key, on in clash.items():
+        if on:
+            raise ConfigError(
+                f"grpo.prm_credit: step credit does not combine with {key}; turn one off"
+            )
 
 
 def _check_prime(g: GRPOConfig) -> None:

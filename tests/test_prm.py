@@ -282,3 +282,120 @@ def test_train_with_prm_reward_on_demo(tmp_path: Path, token_prm: Path, recipe: 
     assert all(0.0 < v < 1.5 and v != round(v) for v in values), values
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["heldout_metric"] == "math_accuracy"  # the PRM never grades held-out items
+
+
+# ---------------------------------------------------------------------------------------------
+# grpo.prm_credit: step (essa/recipes/prm_credit.py), by hand
+
+
+def test_step_returns_by_hand_and_their_first_is_the_reward_value() -> None:
+    from essa.rewards.prm import step_returns
+
+    r = [0.75, 0.25, 0.5, 1.0]
+    expected = {
+        ("min", "none"): [0.25, 0.25, 0.5, 1.0],  # PURE: min over the steps from k on
+        ("sum", "none"): [2.5, 1.75, 1.5, 1.0],
+        ("mean", "none"): [0.625, 0.5833333333333334, 0.75, 1.0],
+        ("last", "none"): [1.0, 1.0, 1.0, 1.0],
+        ("sum", "clip"): [-0.25, -0.25, 0.0, 0.0],  # clipped [0, -0.25, 0, 0]
+        ("min", "delta"): [-0.5, -0.5, -0.5, 0.0],  # delta [0.5, -0.25, -0.5, 0]
+    }
+    for (rule, refine), values in expected.items():
+        got = step_returns(r, aggregate=rule, refine=refine, clip_threshold=0.5)
+        assert got == pytest.approx(values), (rule, refine)
+        assert got[0] == process_reward(r, aggregate=rule, refine=refine, clip_threshold=0.5)
+    assert step_returns([], aggregate="min", refine="none", clip_threshold=0.5) == []
+
+
+def test_token_steps_and_char_ends_on_a_real_tokenizer() -> None:
+    from essa.recipes.prm_credit import char_ends, token_steps
+
+    tokenizer = build_char_tokenizer()
+    text = "1+1=2 2+2=5"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ends = char_ends(tokenizer, ids)
+    assert ends == [*range(1, 12), 11]  # one character a token; EOS adds no text
+    # steps end at 5 ("1+1=2") and 11; the space starts after step 1 ends, so it is step 2's;
+    # EOS (after the last step) belongs to the last step
+    assert token_steps(ends, step_ends(text, " ")) == [0] * 5 + [1] * 6 + [1]
+    assert token_steps([1, 2], [5]) == [0, 0]
+
+
+def test_step_credit_on_a_rollout_by_hand() -> None:
+    from essa.recipes.grpo_policy import Rollout
+    from essa.recipes.prm_credit import step_credit
+
+    tokenizer = build_char_tokenizer()
+    texts = ["1+1=2 2+2=5", "3+3=6"]
+    scorer = FixedScorer({texts[0]: [0.75, 0.25], texts[1]: [0.5]})
+    reward = load_reward(RewardConfig(name="prm", params={"scorer": scorer, "prm_weight": 0.5,
+                                                          "step_delimiter": " ",
+                                                          "aggregate": "min"}),
+                         recipe="GRPO")  # fmt: skip
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [1] for t in texts]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])  # (2, 12)
+    mask = torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in rows])
+    out = Rollout(ids, mask.long(), ids, mask, torch.zeros(2, dtype=torch.bool), texts)
+    prompts = ["q", "q"]
+    rewards = reward(texts, ["4", "6"], prompts)  # outcome + 0.5 * min: 0 + 0.125, 1 + 0.25
+    assert rewards == [0.125, 1.25]
+    calls = len(scorer.calls)
+    credit = step_credit(tokenizer, out, prompts, reward)
+    assert len(scorer.calls) == calls  # the reward's own PRM pass is reused
+    # row 0: G = [min(.75,.25), .25] = [.25, .25]: no credit anywhere; row 1: one step
+    assert torch.equal(credit, torch.zeros(2, width))
+    scorer.table[texts[0]] = [0.25, 0.75]  # a bad first step, a good second one
+    reward(texts, ["4", "6"], prompts)
+    credit = step_credit(tokenizer, out, prompts, reward)
+    # G = [0.25, 0.75]: the second step's 7 tokens (space, "2+2=5", EOS) get 0.5 * 0.5
+    assert credit[0].tolist() == [0.0] * 5 + [0.25] * 7
+    assert torch.equal(credit[1], torch.zeros(width))
+
+
+@pytest.mark.parametrize(
+    ("sets", "words"),
+    [
+        (["grpo.prm_credit=step"], "algorithm: grpo"),
+        (["algorithm=grpo", "grpo.prm_credit=step"], "reward.name: prm"),
+        (
+            ["algorithm=grpo", "grpo.prm_credit=step", "reward.name=prm", "grpo.replay.capacity=8"],
+            "grpo.replay.capacity",
+        ),  # fmt: skip
+        (
+            [
+                "algorithm=grpo",
+                "grpo.prm_credit=step",
+                "reward.name=prm",
+                "grpo.prime.enabled=true",
+            ],
+            "grpo.prime.enabled",
+        ),  # fmt: skip
+    ],
+)
+def test_prm_credit_refusals_are_one_line(sets: list[str], words: str) -> None:
+    from essa.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=words):
+        load_config(None, sets)
+
+
+@pytest.mark.slow
+def test_grpo_trains_with_step_credit_on_demo(tmp_path: Path, token_prm: Path) -> None:
+    """The demo's answers are one step each, so a ' ' delimiter cannot split them; '1' can
+    (e.g. "110" -> "1", "10"...), so multi-step completions and non-zero credit do occur."""
+    from tests.test_train_e2e import SMALL, essa, sets
+
+    params = [f"reward.params.prm={token_prm}", "reward.params.prm_weight=0.5",
+              "reward.params.aggregate=min", "reward.params.step_delimiter='1'"]  # fmt: skip
+    run_dir = tmp_path / "run"
+    res = essa(
+        "train", "--run-dir", str(run_dir),
+        *sets(*SMALL, "algorithm=grpo", "grpo.prompts_per_step=4", "grpo.group_size=4",
+              "grpo.prm_credit=step", "reward.name=prm", *params, "run.generations=2",
+              "evaluation.use_scale_baseline=false"),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    credit = [r["prm_step_credit"] for r in lines if r["generation"] >= 0]
+    assert len(credit) == 2 and all(math.isfinite(c) and c >= 0 for c in credit)

@@ -35,7 +35,10 @@ Deviations from the papers:
   adaptive over-sampling; ``data.hints`` uses reference-solution prefixes as Scaf-GRPO's tiers
   (docs/informative-prompts.md);
 * ``grpo.prime`` (PRIME) swaps the variant's group advantages for token advantages from an
-  implicit PRM; its own deviations are listed in essa/recipes/prime.py.
+  implicit PRM; its own deviations are listed in essa/recipes/prime.py;
+* ``grpo.prm_credit: step`` adds each token's PRM step value minus the whole completion's to
+  the group advantage (our form of PURE's min-form credit; essa/recipes/prm_credit.py), not
+  PURE's own advantage estimator.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +62,7 @@ from essa.recipes import cure
 from essa.recipes import grpo_losses as losses
 from essa.recipes import grpo_replay as replay
 from essa.recipes.grpo_policy import Policy, Rollout, merge, rollout, select, token_logprobs
+from essa.recipes.prm_credit import step_credit
 from essa.rewards.base import Reward
 from essa.rundir import atomic_dir, recover, storage_error
 from essa.types import Example
@@ -258,6 +262,7 @@ class _Groups:
     rewards: list[torch.Tensor]  # (n_i, G + k) per round; NaN where a group has < k replays
     prompt_ids: list[int]  # stable training-set index of each kept group
     replays: list[list[replay.Experience]]  # each kept group's replayed successes (<= k)
+    credit: list[torch.Tensor] = field(default_factory=list)  # (n_i*G, T_i): prm_credit step
 
 
 def replay_count(cfg: Config) -> int:
@@ -319,6 +324,8 @@ def sample_groups(
             with round_bar(len(prompts)) as bar:
                 out = sample(policy, tokenizer, prompts, cfg, seed, bar.advance, temperature)
         rewards = _score(cfg, reward, out, answers, prompts)  # (B,)
+        # per-token PRM credit from the same PRM pass (the reward kept its step scores)
+        credit = step_credit(tokenizer, out, prompts, reward) if g.prm_credit == "step" else None
         if buffer is not None:
             rows = [i for i in idx for _ in range(g.group_size)]
             found.extend(replay.successes(out, rewards, rows, g.replay.min_reward))
@@ -340,6 +347,8 @@ def sample_groups(
             continue
         rows_kept = (chosen[:, None] * g.group_size + torch.arange(g.group_size)).flatten()
         kept.rollouts.append(select(out, rows_kept))  # (n*G) rows
+        if credit is not None:
+            kept.credit.append(credit[rows_kept])
         kept.rewards.append(mixed[chosen])
         kept.prompt_ids.extend(idx[i] for i in chosen.tolist())
         kept.replays.extend(replays[i] for i in chosen.tolist())
@@ -436,6 +445,14 @@ def train_step(
     adv, history = losses.advantages(variant, torch.cat(groups.rewards), groups.prompt_ids, history)
     state["history"] = _history_to_json(history)
     values = adv.values[group_index, slot]  # (B,)
+    if groups.credit:  # grpo.prm_credit: step (no replays): A_i + w_p (G_k(t) - G_1), (B, T)
+        width = batch.mask.shape[1]
+        credit = torch.cat(
+            [torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in groups.credit]
+        )
+        values = values[:, None] + credit
+        tokens = batch.mask.sum().clamp(min=1)  # how far the step credit moved the advantages
+        record["prm_step_credit"] = float((credit.abs() * batch.mask).sum() / tokens)
     mask = batch.mask * adv.keep[group_index, slot][:, None]  # (B, T)
     if variant.use_truncation_mask:
         mask = mask * ~batch.truncated[:, None]  # overlong filtering (spec §5.4a)

@@ -111,13 +111,96 @@ def process_reward(
     >>> process_reward([0.75, 0.25, 0.5], aggregate="sum", refine="clip", clip_threshold=0.5)
     -0.25
     """
+    return aggregate_steps(refine_steps(scores, refine, clip_threshold), aggregate)
+
+
+def refine_steps(scores: Sequence[float], refine: str, clip_threshold: float) -> list[float]:
+    """The refined step rewards r'_k (``none``, ``clip`` or ``delta``)."""
     if refine == "clip":
-        scores = clip_rewards(scores, clip_threshold)
-    elif refine == "delta":
-        scores = delta_rewards(scores)
-    elif refine != "none":
+        return clip_rewards(scores, clip_threshold)
+    if refine == "delta":
+        return delta_rewards(scores)
+    if refine != "none":
         raise ValueError(f"unknown refine {refine!r}; known: {', '.join(REFINEMENTS)}")
-    return aggregate_steps(scores, aggregate)
+    return [float(s) for s in scores]
+
+
+def step_returns(
+    scores: Sequence[float], *, aggregate: str, refine: str, clip_threshold: float
+) -> list[float]:
+    """G_k, the value of the completion from step k on: the aggregate over steps k..K of the
+    refined rewards (``min``: PURE's min-form value ``min_{j >= k} r'_j``; ``sum``: the
+    return; ``mean``; ``last``: r'_K for every step). G_1 is :func:`process_reward`'s value.
+
+    >>> step_returns([0.75, 0.25, 0.5, 1.0], aggregate="min", refine="none", clip_threshold=0.5)
+    [0.25, 0.25, 0.5, 1.0]
+    >>> step_returns([0.75, 0.25, 0.5], aggregate="sum", refine="clip", clip_threshold=0.5)
+    [-0.25, -0.25, 0.0]
+    """
+    refined = refine_steps(scores, refine, clip_threshold)
+    return [aggregate_steps(refined[k:], aggregate) for k in range(len(refined))]
+
+
+class PRMScore:
+    """The ``prm`` score function; it also gives each completion's step ends and step values
+    (:meth:`steps`), which the GRPO recipe turns into per-token credit (``grpo.prm_credit``)."""
+
+    def __init__(
+        self,
+        scorer: StepScorer | None,
+        outcome_fn: ScoreFn | None,
+        *,
+        step_delimiter: str,
+        aggregate: str,
+        refine: str,
+        clip_threshold: float,
+        outcome_weight: float,
+        prm_weight: float,
+    ) -> None:
+        self.scorer, self.outcome_fn = scorer, outcome_fn
+        self.step_delimiter, self.aggregate = step_delimiter, aggregate
+        self.refine, self.clip_threshold = refine, clip_threshold
+        self.outcome_weight, self.prm_weight = outcome_weight, prm_weight
+        # The last call's step data, so that :meth:`steps` on the same batch needs no second
+        # PRM forward: (prompts, completions) -> (ends, returns) per completion.
+        self._last: tuple[list[str], list[str], list[tuple[list[int], list[float]]]] | None = None
+
+    def steps(
+        self, completions: list[str], prompts: list[str]
+    ) -> list[tuple[list[int], list[float]]]:
+        """Per completion: its step ends (character offsets) and step values G_1..G_K; the last
+        scoring call's when it was on this batch (no second PRM forward)."""
+        if self._last is not None and self._last[:2] == (list(prompts), list(completions)):
+            return self._last[2]
+        return self._steps(completions, prompts)
+
+    def _steps(
+        self, completions: list[str], prompts: list[str]
+    ) -> list[tuple[list[int], list[float]]]:
+        ends = [step_ends(text, self.step_delimiter) for text in completions]
+        scores: list[list[float]] = [[] for _ in completions]
+        if self.prm_weight and self.scorer is not None:
+            scores = self.scorer.step_scores(list(prompts), list(completions), ends)
+        out = [
+            (e, step_returns(s, aggregate=self.aggregate, refine=self.refine,
+                             clip_threshold=self.clip_threshold))
+            for e, s in zip(ends, scores, strict=True)
+        ]  # fmt: skip
+        self._last = (list(prompts), list(completions), out)
+        return out
+
+    def __call__(
+        self, completions: list[str], answers: list[str | None], prompts: list[str]
+    ) -> list[float | None]:
+        steps = self._steps(completions, prompts)  # always scored afresh, then kept
+        process = [returns[0] if returns else 0.0 for _, returns in steps]
+        outcomes: list[float | None] = [0.0] * len(completions)
+        if self.outcome_fn is not None:
+            outcomes = list(self.outcome_fn(list(completions), list(answers), list(prompts)))
+        return [
+            None if o is None else self.outcome_weight * o + self.prm_weight * p
+            for o, p in zip(outcomes, process, strict=True)
+        ]
 
 
 def prm_reward(
@@ -140,7 +223,7 @@ def prm_reward(
     output: str = "probability",
     batch_size: int = 8,
     device: str | None = None,
-) -> ScoreFn:
+) -> PRMScore:
     """``R_i = outcome_weight * outcome_i + prm_weight * agg(refine(step scores of i))``.
 
     Args:
@@ -177,27 +260,10 @@ def prm_reward(
             device=device,
         )  # fmt: skip
 
-    def score(
-        completions: list[str], answers: list[str | None], prompts: list[str]
-    ) -> list[float | None]:
-        n = len(completions)
-        process = [0.0] * n
-        if prm_weight and scorer is not None:
-            ends = [step_ends(text, step_delimiter) for text in completions]
-            steps = scorer.step_scores(list(prompts), list(completions), ends)
-            process = [
-                process_reward(s, aggregate=aggregate, refine=refine, clip_threshold=clip_threshold)
-                for s in steps
-            ]
-        outcomes: list[float | None] = [0.0] * n
-        if outcome_fn is not None:
-            outcomes = list(outcome_fn(list(completions), list(answers), list(prompts)))
-        return [
-            None if o is None else outcome_weight * o + prm_weight * p
-            for o, p in zip(outcomes, process, strict=True)
-        ]
-
-    return score
+    return PRMScore(
+        scorer, outcome_fn, step_delimiter=step_delimiter, aggregate=aggregate, refine=refine,
+        clip_threshold=clip_threshold, outcome_weight=outcome_weight, prm_weight=prm_weight,
+    )  # fmt: skip
 
 
 def _check(

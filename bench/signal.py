@@ -1,0 +1,215 @@
+"""Informative prompts and process rewards (issue 21): each switch beside the same recipe off.
+
+    python -m bench.signal [--seeds 0 1 2] [--recipes essa grpo] [--switches greso ...]
+
+Every run is ``essa train`` on the embedded demo (its SFT adapter) in a fresh process, with a
+fixed number of generations (ESSA) or steps (GRPO), so rows generated are equal across
+switches by construction (GRESO refills the batch it skips from, docs/informative-prompts.md)
+and accuracy is comparable at equal rows; held-out accuracy (500 fixed items, greedy) every few
+steps gives the curve. Per run: the SFT start, the final accuracy (paired against the switch-off
+run of the same seed on the same items), training rows generated (candidates x samples x
+prompts, or groups x G x sampling rounds), the run's wall seconds (2 cores: a CPU-minute is
+about a wall-minute on a quiet machine), and **rows to threshold**: the rows generated until the
+held-out curve first reaches SFT + 90% of the switch-off run's final gain (same seed). The
+headline ratio, rows-to-threshold off / on, is what "selective prompts reduce rows per unit of
+held-out gain" means here.
+
+The PRM is bench/tiny_prm.py's: a tiny token classifier trained in-process on the demo's
+training pool (no PRM weights can be downloaded here). On the demo a completion is one step, so
+it is a learned verifier, combined with the 0/1 outcome at weight 0.5.
+
+Writes bench/results/signal.json and signal.md (the README table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.common import launch, write_result
+from bench.real_model import paired, passes
+
+RESULTS = Path("bench/results")
+COMMON = [
+    "data.test_size=500",
+    "evaluation.use_scale_baseline=false",
+    "run.show_progress=false",
+]
+RECIPES: dict[str, list[str]] = {
+    "essa": ["run.generations=24", "evaluation.every=3"],
+    "grpo": ["algorithm=grpo", "grpo.lr_schedule=constant", "run.generations=30",
+             "evaluation.every=5"],
+}  # fmt: skip
+PRM = ["reward.name=prm", "reward.params.prm={prm}", "reward.params.prm_weight=0.5",
+       "reward.params.aggregate=min"]  # fmt: skip
+SWITCHES: dict[str, list[str]] = {
+    "off": [],
+    "greso": ["data.selection.name=greso"],
+    "hints": ["data.hints.after=2"],
+    "prm": PRM,
+    "prime": ["grpo.prime.enabled=true"],  # GRPO only
+}
+ONLY = {"prime": "grpo"}
+
+
+@functools.cache
+def _config(run_dir: Path) -> Any:
+    from essa.config import load_config
+
+    return load_config(run_dir / "config.yaml")
+
+
+def rows_per_step(run_dir: Path, record: dict[str, Any]) -> int:
+    """Training rows generated in one metrics record's step."""
+    cfg = _config(run_dir)
+    if cfg.algorithm == "grpo":
+        rounds = int(record.get("sampling_rounds", 1))
+        return cfg.grpo.prompts_per_step * cfg.grpo.group_size * rounds
+    return cfg.optimizer.population_size * cfg.generation.samples_per_prompt * cfg.data.batch_size
+
+
+def curve(run_dir: Path) -> list[tuple[int, float]]:
+    """(training rows generated so far, held-out accuracy): the SFT start, then every pass."""
+    points: list[tuple[int, float]] = []
+    rows = 0
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        if record["generation"] < 0:
+            points.append((0, record["heldout_accuracy"]))
+            continue
+        rows += rows_per_step(run_dir, record)
+        if "heldout_accuracy" in record:
+            points.append((rows, record["heldout_accuracy"]))
+    return points
+
+
+def rows_to(points: list[tuple[int, float]], threshold: float) -> int | None:
+    """Rows generated until the curve first reaches ``threshold`` (None: never)."""
+    return next((rows for rows, acc in points if acc >= threshold - 1e-12), None)
+
+
+def run(recipe: str, switch: str, seed: int, root: Path, prm: Path, threads: int) -> dict:
+    run_dir = root / recipe / switch / f"seed{seed}"
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    own = [s.format(prm=prm) for s in SWITCHES[switch]]
+    sets = [*COMMON, *RECIPES[recipe], f"run.seed={seed}", *own]
+    cmd = [sys.executable, "-m", "essa.cli", "train", "--overwrite", "--run-dir", str(run_dir)]
+    cmd += [x for s in sets for x in ("--set", s)]
+    wall = launch(cmd, run_dir.parent / f"seed{seed}.log", threads)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if m["generation"] >= 0]
+    return {
+        "seed": seed,
+        "command_wall_seconds": wall,
+        "wall_seconds": summary["wall_seconds"],
+        "sft": summary["baseline_accuracy"],
+        "final": summary["final_accuracy"],
+        "curve": curve(run_dir),
+        "rows": sum(rows_per_step(run_dir, m) for m in steps),
+        "prompts_skipped": sum(m.get("prompts_skipped", 0) for m in steps),
+        "prompts_hinted": sum(m.get("prompts_hinted", 0) for m in steps),
+        "scores": passes(run_dir)["final"],
+    }
+
+
+def summarise(runs: list[dict], off: list[dict]) -> dict[str, Any]:
+    """The switch's runs against the switch-off runs of the same seeds."""
+    diffs = [paired(r["scores"], o["scores"]) for r, o in zip(runs, off, strict=True)]
+    ratios = []
+    for r, o in zip(runs, off, strict=True):
+        threshold = o["sft"] + 0.9 * (o["final"] - o["sft"])
+        mine, theirs = rows_to(r["curve"], threshold), rows_to(o["curve"], threshold)
+        ratios.append(None if not mine or not theirs else theirs / mine)
+    finite = [x for x in ratios if x is not None]
+    return {
+        "final": statistics.mean(r["final"] for r in runs),
+        "per_seed_final": [r["final"] for r in runs],
+        "sft": statistics.mean(r["sft"] for r in runs),
+        "vs_off": statistics.mean(d["gain"] for d in diffs),
+        "vs_off_se": math.sqrt(sum(d["se"] ** 2 for d in diffs)) / len(diffs),
+        "gain_per_minute": statistics.mean(
+            (r["final"] - r["sft"]) / (r["wall_seconds"] / 60) for r in runs
+        ),
+        "rows": statistics.mean(r["rows"] for r in runs),
+        "rows_ratio_per_seed": ratios,
+        "rows_ratio_geomean": math.exp(statistics.mean(math.log(x) for x in finite))
+        if finite else None,  # fmt: skip
+        "prompts_skipped": statistics.mean(r["prompts_skipped"] for r in runs),
+        "prompts_hinted": statistics.mean(r["prompts_hinted"] for r in runs),
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [
+        "| recipe | switch | SFT | final (mean of seeds) | vs off (paired SE) | gain per "
+        "minute | rows-to-threshold off / on (per seed) | skipped | hinted |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for recipe, switches in result["summary"].items():
+        for switch, s in switches.items():
+            vs = "-" if switch == "off" else f"{s['vs_off']:+.3f} ({s['vs_off_se']:.3f})"
+            ratios = ", ".join("never" if x is None else f"{x:.2f}" for x in s["rows_ratio_per_seed"])
+            ratio = "-" if switch == "off" else (
+                f"{s['rows_ratio_geomean']:.2f}x ({ratios})" if s["rows_ratio_geomean"] else ratios
+            )  # fmt: skip
+            lines.append(
+                f"| {recipe} | `{switch}` | {s['sft']:.3f} | {s['final']:.3f} | {vs} | "
+                f"{s['gain_per_minute']:+.3f} | {ratio} | {s['prompts_skipped']:.0f} | "
+                f"{s['prompts_hinted']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    parser.add_argument("--switches", nargs="+", default=list(SWITCHES), choices=list(SWITCHES))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--root", default="runs/bench-signal")
+    args = parser.parse_args()
+    root = Path(args.root)
+    prm = root / "tiny-prm"
+    if "prm" in args.switches:
+        from bench.tiny_prm import train_demo_prm
+
+        print("[signal] training the tiny demo PRM ...", flush=True)
+        prm_stats = train_demo_prm(prm)
+        print(f"[signal] PRM held-back accuracy {prm_stats['held_back_accuracy']:.3f}", flush=True)
+    else:
+        prm_stats = None
+    switches = ["off", *(s for s in args.switches if s != "off")]  # the reference runs first
+    result: dict[str, Any] = {"common": COMMON, "recipes": RECIPES, "switches": SWITCHES,
+                              "prm": prm_stats, "runs": {}, "summary": {}}  # fmt: skip
+    command = "python -m bench.signal " + " ".join(sys.argv[1:])
+    for recipe in args.recipes:
+        runs: dict[str, list[dict]] = {}
+        for switch in switches:
+            if ONLY.get(switch, recipe) != recipe:
+                continue
+            runs[switch] = []
+            for seed in args.seeds:
+                print(f"[signal] {recipe} {switch} seed {seed} ...", flush=True)
+                r = run(recipe, switch, seed, root, prm, args.threads)
+                print(f"[signal] {recipe} {switch} seed {seed}: {r['sft']:.3f} -> "
+                      f"{r['final']:.3f}, {r['rows']} rows, {r['wall_seconds']:.0f} s",
+                      flush=True)  # fmt: skip
+                runs[switch].append(r)
+        result["summary"][recipe] = {s: summarise(rs, runs["off"]) for s, rs in runs.items()}
+        result["runs"][recipe] = {
+            s: [{k: v for k, v in r.items() if k != "scores"} for r in rs] for s, rs in runs.items()
+        }
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        write_result("signal", result, command.strip())  # after each recipe: nothing lost
+        (RESULTS / "signal.md").write_text(table(result) + "\n")
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
