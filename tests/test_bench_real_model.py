@@ -97,3 +97,25 @@ def test_grpo_options_summary_pairs_each_option_with_plain_grpo_of_its_seed() ->
         rows[3] == "| `cure` | 0.500 | 0.750, 0.250 | 7, 8 | +0.125 (0.239) |"
     )  # sqrt(0.0625 + 1/6) / 2
     assert "grpo" in OPTIONS and all(isinstance(v, list) for v in OPTIONS.values())
+
+
+def test_reuse_skips_finished_commands_and_keeps_their_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bench.real_model as rm
+
+    calls: list[list[str]] = []
+
+    def fake_essa(args: list[str], log: Path, threads: int) -> float:
+        calls.append(args)
+        (tmp_path / "done.json").write_text("{}")
+        return 12.5
+
+    monkeypatch.setattr(rm, "essa", fake_essa)
+    done, log = tmp_path / "done.json", tmp_path / "run.log"
+    assert rm.timed(["train"], done, log, 2, reuse=True) == 12.5  # nothing to reuse yet: runs
+    assert log.with_suffix(".seconds").read_text() == "12.5\n"
+    assert rm.timed(["train"], done, log, 2, reuse=True) == 12.5  # reused: not run again
+    assert len(calls) == 1
+    assert rm.timed(["train"], done, log, 2, reuse=False) == 12.5  # without --reuse: runs
+    assert len(calls) == 2
