@@ -132,12 +132,19 @@ def paired(a: list[float], b: list[float]) -> dict[str, float]:
 
 
 def essa_seed(
-    config: Path, seed: int, root: Path, overrides: list[str], threads: int, reuse: bool = False
+    config: Path,
+    seed: int,
+    root: Path,
+    overrides: list[str],
+    threads: int,
+    reuse: bool = False,
+    name: str = "essa",
 ) -> dict:
-    run_dir = root / f"essa-seed{seed}"
+    """One ``essa train`` of the task config (``name``: the run's directory prefix)."""
+    run_dir = root / f"{name}-seed{seed}"
     args = ["train", str(config), "--overwrite", "--run-dir", str(run_dir),
             "--set", f"run.seed={seed}", *sets(ESSA_SETS), *sets(overrides)]  # fmt: skip
-    wall = timed(args, run_dir / "summary.json", root / f"essa-seed{seed}.log", threads, reuse)
+    wall = timed(args, run_dir / "summary.json", root / f"{name}-seed{seed}.log", threads, reuse)
     summary = json.loads((run_dir / "summary.json").read_text())
     scores = passes(run_dir)
     margins = [
@@ -307,9 +314,12 @@ def main() -> None:
     )
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reuse", action="store_true",
-                        help="keep finished runs under --root (their summary.json and recorded "
-                        "seconds) and run only the missing ones, e.g. more seeds later")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep finished runs under --root (their summary.json and recorded "
+        "seconds) and run only the missing ones, e.g. more seeds later",
+    )
     parser.add_argument("--root", default="runs/bench-real-model")
     args = parser.parse_args()
     result: dict[str, Any] = {"config": str(CONFIG), "overrides": args.overrides, "tasks": {}}

@@ -139,7 +139,8 @@ def summarise(runs: list[dict], off: list[dict]) -> dict[str, Any]:
         "rows": statistics.mean(r["rows"] for r in runs),
         "rows_ratio_per_seed": ratios,
         "rows_ratio_geomean": math.exp(statistics.mean(math.log(x) for x in finite))
-        if finite else None,  # fmt: skip
+        if finite
+        else None,  # fmt: skip
         "prompts_skipped": statistics.mean(r["prompts_skipped"] for r in runs),
         "prompts_hinted": statistics.mean(r["prompts_hinted"] for r in runs),
     }
@@ -154,7 +155,9 @@ def table(result: dict[str, Any]) -> str:
     for recipe, switches in result["summary"].items():
         for switch, s in switches.items():
             vs = "-" if switch == "off" else f"{s['vs_off']:+.3f} ({s['vs_off_se']:.3f})"
-            ratios = ", ".join("never" if x is None else f"{x:.2f}" for x in s["rows_ratio_per_seed"])
+            ratios = ", ".join(
+                "never" if x is None else f"{x:.2f}" for x in s["rows_ratio_per_seed"]
+            )
             ratio = "-" if switch == "off" else (
                 f"{s['rows_ratio_geomean']:.2f}x ({ratios})" if s["rows_ratio_geomean"] else ratios
             )  # fmt: skip

@@ -119,3 +119,26 @@ def test_reuse_skips_finished_commands_and_keeps_their_seconds(
     assert len(calls) == 1
     assert rm.timed(["train"], done, log, 2, reuse=False) == 12.5  # without --reuse: runs
     assert len(calls) == 2
+
+
+def test_ablation_arms_are_paired_with_the_default_of_their_seed() -> None:
+    from bench.real_model_ablation import ARMS, summarise
+    from bench.real_model_ablation import table as ablation_table
+
+    def run(sft: list[float], final: list[float], wall: float) -> dict:
+        return {
+            "scores": {"sft": sft, "final": final},
+            "accuracy": {"sft": sum(sft) / len(sft), "final": sum(final) / len(final)},
+            "essa_vs_sft": paired(final, sft),
+            "summary": {"wall_seconds": wall},
+        }
+
+    default = [run([0, 0, 1, 0], [1, 0, 1, 0], 600)]
+    arm = [run([0, 0, 1, 0], [1, 1, 1, 0], 1200)]
+    s = summarise(arm, default)
+    assert s["vs_default"] == 0.25 and s["gain_over_sft"] == 0.5
+    assert s["gain_per_minute"] == pytest.approx(0.5 / 20)
+    text = ablation_table({"summary": {"default": summarise(default, default),
+                                       "no_tie_breaker": s}})  # fmt: skip
+    assert "| no_tie_breaker | `reward.reference_weight=0` | 0.250 | 0.750 | +0.500 |" in text
+    assert ARMS["default"] == []

@@ -65,7 +65,9 @@ def test_tiny_prm_trains_and_scores_through_the_prm_reward(tmp_path: Path) -> No
     stats = train_demo_prm(tmp_path / "prm", steps=20)
     assert stats["held_back_items"] == 1000
     assert 0.0 <= stats["held_back_accuracy"] <= 1.0
-    assert abs(stats["held_back_accuracy"] * 1000 - round(stats["held_back_accuracy"] * 1000)) < 1e-6
+    assert (
+        abs(stats["held_back_accuracy"] * 1000 - round(stats["held_back_accuracy"] * 1000)) < 1e-6
+    )
     reward = get_reward("prm", prm=str(tmp_path / "prm"), outcome=None, aggregate="min")
     scores = reward(["110", "111"], [None, None], ["47+63=", "47+63="])
     assert all(0.0 < s < 1.0 for s in scores)  # one step each: the label-1 probability
