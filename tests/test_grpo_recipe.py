@@ -164,3 +164,23 @@ def test_grpo_refuses_multi_rank_runs(tmp_path: Path) -> None:
     comm = SimpleNamespace(rank=0, world_size=2)
     with pytest.raises(UserError, match="one process"):
         grpo.run(Config(algorithm="grpo"), tmp_path, comm=comm)  # type: ignore[arg-type]
+
+
+def test_rollout_stops_at_the_model_end_of_turn_token(tiny) -> None:  # type: ignore[no-untyped-def]
+    """As ESSA's backends do (tests/test_stops.py): a stop id in the model's generation_config
+    that is not the tokenizer's EOS ends a rollout row, and the mask keeps it."""
+    peft_model, tokenizer = tiny
+    model = copy.deepcopy(peft_model)
+    policy = Policy.build(model, "lora", 1.0)
+    cfg = small_cfg()
+    full = rollout(policy, tokenizer, ["3+4="] * 8, cfg, seed=0)
+    end_of_turn = int(full.completion_ids[0, 0])  # row 0's first sampled token
+    assert end_of_turn != tokenizer.eos_token_id
+    model.generation_config.eos_token_id = [end_of_turn]
+    out = rollout(policy, tokenizer, ["3+4="] * 8, cfg, seed=0)
+    assert int(out.mask[0].sum()) == 1 and not out.truncated[0]
+    for row in range(8):  # every row ends at its first stop (EOS or the end-of-turn id)
+        ids = out.completion_ids[row].tolist()
+        n = int(out.mask[row].sum())
+        stops = [t for t, x in enumerate(ids) if x in (end_of_turn, tokenizer.eos_token_id)]
+        assert n == (stops[0] + 1 if stops else len(ids))

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from essa.backends.stops import stop_token_ids
 from essa.config import Config
 from essa.recipes.grpo_losses import era_activation, token_entropy
 
@@ -192,6 +193,9 @@ def rollout_from_ids(
     device = next(model.parameters()).device
     batch = {"input_ids": input_ids, "attention_mask": attention_mask}
     max_new_tokens = cfg.generation.max_new_tokens if budgets is None else int(budgets.max())
+    # The tokenizer's EOS and the model's own end-of-turn ids (essa/backends/stops.py), as ESSA
+    # stops: with EOS alone a chat model's rows would all run to max_new_tokens.
+    stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     torch.manual_seed(seed)  # HF sampling draws from the global torch RNG
     chunks = []
     size = cfg.evaluation.micro_batch_size
@@ -207,7 +211,7 @@ def rollout_from_ids(
                 top_k=0,
                 max_new_tokens=max_new_tokens,
                 pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
+                eos_token_id=stops or tokenizer.eos_token_id,
             )
             chunks.append(out[:, part["input_ids"].shape[1] :].cpu())  # (b, T_chunk)
             if progress is not None:
@@ -223,8 +227,8 @@ def rollout_from_ids(
     if budgets is not None:
         room = torch.arange(width)[None, :] < budgets[:, None]
         completion = completion.masked_fill(~room, tokenizer.pad_token_id)
-    is_eos = (completion == tokenizer.eos_token_id) & room  # (B, T)
-    # Keep tokens up to and including the first EOS (pad may equal EOS, so do not test pad).
+    is_eos = torch.isin(completion, torch.tensor(stops, dtype=completion.dtype)) & room  # (B, T)
+    # Keep tokens up to and including the first stop (pad may equal EOS, so do not test pad).
     mask = ((torch.cumsum(is_eos, dim=1) - is_eos.long()) == 0) & room  # (B, T)
     return Rollout(
         input_ids=torch.cat([input_ids, completion], dim=1),

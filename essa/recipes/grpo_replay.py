@@ -128,7 +128,9 @@ def replay_rollout(
     for row, entry in enumerate(experiences):
         completion[row, : len(entry.completion_ids)] = torch.tensor(entry.completion_ids)
         mask[row, : len(entry.completion_ids)] = 1.0
-    truncated = torch.tensor([e.completion_ids[-1] != tokenizer.eos_token_id for e in experiences])
+    # A stored success ended on a stop: EOS, or a model's end-of-turn id (a special token).
+    ends = {tokenizer.eos_token_id, *getattr(tokenizer, "all_special_ids", ())}
+    truncated = torch.tensor([e.completion_ids[-1] not in ends for e in experiences])
     return Rollout(
         input_ids=torch.cat([batch["input_ids"], completion], dim=1),
         attention_mask=torch.cat([batch["attention_mask"], mask.long()], dim=1),
