@@ -54,6 +54,7 @@ def summarise(arm: list[dict], default: list[dict]) -> dict[str, Any]:
         "vs_default": statistics.mean(d["gain"] for d in diffs),
         "vs_default_se": math.sqrt(sum(d["se"] ** 2 for d in diffs)) / len(diffs),
         "wall_seconds": [r["summary"]["wall_seconds"] for r in arm],
+        "peak_rss_mb": [r["summary"].get("peak_rss_mb") for r in arm],
     }
 
 
