@@ -43,8 +43,8 @@ COMMON = [
 ]
 RECIPES: dict[str, list[str]] = {
     "essa": ["run.generations=24", "evaluation.every=3"],
-    "grpo": ["algorithm=grpo", "grpo.lr_schedule=constant", "run.generations=30",
-             "evaluation.every=5"],
+    "grpo": ["algorithm=grpo", "grpo.lr_schedule=constant", "run.generations=120",
+             "evaluation.every=10"],
 }  # fmt: skip
 PRM = ["reward.name=prm", "reward.params.prm={prm}", "reward.params.prm_weight=0.5",
        "reward.params.aggregate=min"]  # fmt: skip
