@@ -195,7 +195,7 @@ class RunConfig:
     dir: str = "runs/essa-demo"
     generations: int = 150
     seed: int = 0
-    max_wall_seconds: float | None = None  # stop after this budget (checked between generations)
+    max_wall_seconds: float | None = None  # stop before a generation would end past this budget
     show_progress: bool = True
     # Experiment trackers, any subset (none by default; [track] extra), all offline-safe.
     report_to: tuple[Literal["tensorboard", "wandb", "trackio"], ...] = ()

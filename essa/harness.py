@@ -5,7 +5,8 @@ A recipe supplies its state, its step and its checkpoint contents; the harness o
 * the resolved config, written atomically at the start of a fresh run (``config.yaml``);
 * the metrics log (``metrics.jsonl``, rank 0 only) and its truncation on resume;
 * the step loop: SIGINT/SIGTERM finish the current step, checkpoint it and exit 130/143; the
-  wall-clock budget ``run.max_wall_seconds`` is agreed across ranks before anyone stops;
+  wall-clock budget ``run.max_wall_seconds`` stops the loop before a step that is forecast to
+  end past it (the median of the last five steps), agreed across ranks before anyone stops;
 * the checkpoint cadence (every ``checkpoint_every`` steps, and always before stopping) with a
   storage fault turned into one line that says what was kept;
 * progress phases (model load, SFT, held-out passes, each generation or step, export): one rich
@@ -266,6 +267,7 @@ class Harness:
         self.elapsed_before = 0.0  # training seconds of earlier processes of a resumed run
         self.interrupt = Interrupt()
         self._saved = 0  # steps held by the last complete checkpoint
+        self.step_seconds: list[float] = []  # this process's steps, for the budget's forecast
         if self.is_root and not resume:  # first, so that a kill at any later moment can resume
             atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
         # After the config: wandb and trackio write under run_dir. A resumed run starts a new
@@ -462,6 +464,7 @@ class Step:
         self.bar = bar
         self.show = show
         self.stop_reason: str | None = None
+        self.started = time.perf_counter()
 
     def progress(self, total: int) -> Phase:
         """A transient bar over the step's own items (rows generated), below the loop's."""
@@ -475,6 +478,7 @@ class Step:
         """
         h = self.harness
         done = self.index + 1
+        h.step_seconds.append(time.perf_counter() - self.started)
         self.stop_reason = self._stop_reason(done)
         last = done >= h.cfg.run.generations
         with stop_on_storage_error(h.run_dir, h._saved, h.unit):
@@ -497,9 +501,14 @@ class Step:
                 f"{done} saved; continue with: essa train --resume {h.run_dir}"
             )
         budget = h.cfg.run.max_wall_seconds
+        # Stop before a step that would end past the budget: the next one is forecast to take
+        # as long as the median of the last few (a held-out pass makes one step longer).
+        forecast = float(np.median(h.step_seconds[-5:])) if h.step_seconds else 0.0
         # Ranks time themselves differently: they must agree to stop, or some would block.
-        if budget and any_rank(h.comm, h.elapsed > budget):
-            return f"stopping: run.max_wall_seconds={budget} reached"
+        if budget and any_rank(h.comm, h.elapsed + forecast > budget):
+            return (
+                f"stopping: run.max_wall_seconds={budget} would be passed by the next {h.unit[:-1]}"
+            )
         return None
 
 

@@ -46,8 +46,12 @@ def _fake_run(
     h = Harness(cfg, run_dir, resume=resume, console=None, comm=comm)
     evaluator = FakeEvaluator()
     reward = Reward("exact", lambda c, a, p: [float(x == y) for x, y in zip(c, a, strict=True)])
-    opt = make_optimizer("cma_es", 4, population_size=4, sigma0=0.5, seed=cfg.run.seed)
-    loaded = essa_es._load_checkpoint(run_dir, opt) if resume else None
+
+    def build(scale: object) -> Optimizer:  # the recipe's builder: no scale-baseline start here
+        return make_optimizer("cma_es", 4, population_size=4, sigma0=0.5, seed=cfg.run.seed)
+
+    restored, loaded = essa_es._load_checkpoint(run_dir, build) if resume else (None, None)
+    opt = restored if restored is not None else build(None)
     state = h.restore(loaded, done=opt.generation)
     if state is None:
         state = {"baseline_accuracy": 0.0, "best_fitness": None, "best_vector": None}
@@ -108,6 +112,26 @@ def test_wall_clock_budget_stops_after_a_checkpointed_step(tmp_path: Path) -> No
     opt, _ = _fake_run(cfg, tmp_path)
     assert opt.generation == 1
     assert json.loads((tmp_path / "checkpoint.json").read_text())["optimizer"]["generation"] == 1
+
+
+def test_budget_stops_before_a_step_that_would_end_past_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of 10 s on a 35 s budget: after 3 steps (30 s) the next would end at 40 s, so the
+    loop stops there, not after a 4th step that passes the budget (a fake clock, no sleeps)."""
+    import essa.harness
+
+    clock = [1000.0]
+    monkeypatch.setattr(essa.harness.time, "perf_counter", lambda: clock[0])
+    cfg = _config("run.generations=10", "run.max_wall_seconds=35")
+    h = Harness(cfg, tmp_path, resume=False, console=None, comm=get_comm("local"))
+    done = []
+    for step in h.steps(0, show=lambda record: {}):
+        clock[0] += 10.0
+        step.finish({"generation": step.index}, lambda: None)
+        done.append(step.index)
+    assert done == [0, 1, 2]
+    assert h.elapsed == pytest.approx(30.0) and h.elapsed <= 35
 
 
 def test_checkpoint_cadence_saves_every_nth_step_and_the_last(tmp_path: Path) -> None:

@@ -337,8 +337,9 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path: Path, damage) -> None:  #
     path = tmp_path / "checkpoint.json"
     path.write_text(damage(path.read_text()))
     with pytest.raises(UserError, match="cannot resume from this checkpoint") as info:
-        _load_checkpoint(tmp_path, _optimizer())
+        _load_checkpoint(tmp_path, lambda scale: _optimizer())
     assert "\n" not in str(info.value)
+    assert "not callable" not in str(info.value)  # refused for the damage, not a wrong call
 
 
 def test_checkpoint_of_another_population_size_is_refused(tmp_path: Path) -> None:
@@ -347,8 +348,10 @@ def test_checkpoint_of_another_population_size_is_refused(tmp_path: Path) -> Non
     opt = _optimizer()
     opt.tell(opt.ask(), np.arange(4.0))
     _save_checkpoint(tmp_path, opt, {"elapsed": 1.0})
-    with pytest.raises(UserError, match="cannot resume from this checkpoint"):
-        _load_checkpoint(tmp_path, _optimizer(population_size=6))
+    with pytest.raises(UserError, match="different constructor arguments: population_size"):
+        _load_checkpoint(tmp_path, lambda scale: _optimizer(population_size=6))
+    restored, data = _load_checkpoint(tmp_path, lambda scale: _optimizer())  # the right size
+    assert restored is not None and restored.generation == 1 and data == {"elapsed": 1.0}
 
 
 class _RunsCode:
