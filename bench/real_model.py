@@ -123,6 +123,11 @@ def passes(run_dir: Path) -> dict[str, list[float]]:
     return out
 
 
+def full(scores: list[float]) -> list[float]:
+    """1.0 where an item got full credit, else 0.0 (the strict accuracy of a graded scorer)."""
+    return [1.0 if x >= 1.0 else 0.0 for x in scores]
+
+
 def paired(a: list[float], b: list[float]) -> dict[str, float]:
     """Mean of a - b over the same items and its standard error."""
     diff = [x - y for x, y in zip(a, b, strict=True)]
@@ -158,7 +163,10 @@ def essa_seed(
         "command_wall_seconds": wall,
         "summary": summary,
         "accuracy": {k: statistics.mean(v) for k, v in scores.items()},
+        # the task scorers give partial credit; full credit alone is the strict accuracy
+        "full_credit": {k: statistics.mean(full(v)) for k, v in scores.items()},
         "essa_vs_sft": paired(scores["final"], scores["sft"]),
+        "essa_vs_sft_full_credit": paired(full(scores["final"]), full(scores["sft"])),
         "essa_vs_scale": paired(scores["final"], scores["scale"]) if "scale" in scores else None,
         "margin_prompts_median": statistics.median(margins) if margins else None,
         "scores": scores,
@@ -222,9 +230,11 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "params": TASKS[task],
         "base_accuracy": statistics.mean(base["scores"]),
+        "base_full_credit": statistics.mean(full(base["scores"])),
         "base_eval_seconds": base["seconds"],
         "essa": runs,
         "essa_vs_sft": pooled(runs, "essa_vs_sft"),
+        "essa_vs_sft_full_credit": pooled(runs, "essa_vs_sft_full_credit"),
         "essa_vs_base": [paired(r["scores"]["final"], base["scores"]) for r in runs],
     }
     if args.grpo and task in (args.grpo_tasks or TASKS):
@@ -274,8 +284,9 @@ def mean_accuracy(runs: list[dict], key: str) -> float | None:
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| task | base | SFT | scale baseline | ESSA | ESSA - SFT (paired SE) | gain / SE "
-        "| per seed z | run s (median) | GRPO at equal wall-clock | peak RSS ESSA / GRPO |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| per seed z | full credit: SFT -> ESSA (paired SE) | run s (median) "
+        "| GRPO at equal wall-clock | peak RSS ESSA / GRPO |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for task, t in result["tasks"].items():
         acc = {k: mean_accuracy(t["essa"], k) for k in ("sft", "scale", "final")}
@@ -292,10 +303,16 @@ def table(result: dict[str, Any]) -> str:
             g_mem = g["summary"].get("peak_rss_mb")
             if e_mem and g_mem:
                 mem = f"{e_mem:.0f} / {g_mem:.0f} MB ({e_mem / g_mem:.2f}x)"
+        strict = "-"
+        if "essa_vs_sft_full_credit" in t:
+            f = t["essa_vs_sft_full_credit"]
+            sft_full = statistics.mean(r["full_credit"]["sft"] for r in t["essa"])
+            essa_full = statistics.mean(r["full_credit"]["final"] for r in t["essa"])
+            strict = f"{sft_full:.3f} -> {essa_full:.3f} ({f['gain']:+.3f}, {f['se']:.3f})"
         lines.append(
             f"| {task} | {t['base_accuracy']:.3f} | {acc['sft']:.3f} | {scale} | "
             f"{acc['final']:.3f} | {p['gain']:+.3f} ({p['se']:.3f}) | {p['z']:.1f} | {z} | "
-            f"{wall:.0f} | {grpo} | {mem} |"
+            f"{strict} | {wall:.0f} | {grpo} | {mem} |"
         )
     return "\n".join(lines)
 

@@ -249,8 +249,9 @@ def evaluate(
         typer.Option(help="Write the JSON result here, and per-item records to FILE.items.jsonl"),
     ] = None,
 ) -> None:
-    """pass@1 on the held-out split under evaluation.metric; with --samples K also avg@K,
-    pass@K and maj@K."""
+    """pass@1 (full credit) and mean_score (the held-out score training reports, partial
+    credit included) on the held-out split under evaluation.metric; with --samples K also
+    avg@K, pass@K and maj@K."""
     from essa.backends.hf import load_model
     from essa.evaluation import check_heldout_answers, heldout_metric
     from essa.recipes.common import load_task, seed_everything
@@ -331,14 +332,21 @@ def _sample_metrics(
     )
     answers = [e.answer for e in examples for _ in range(k)]
     scores = reward(texts, answers, rows)
-    correct = [[s or 0.0 for s in scores[i * k : (i + 1) * k]] for i in range(len(examples))]
+    # pass@k and maj@k count full credit only: a graded metric (gym_score's partial credit)
+    # would otherwise pass every answer that earned anything. mean_score is the held-out
+    # score as training reports it (partial credit included).
+    values = [float(s or 0.0) for s in scores]
+    correct = [[v >= 1.0 for v in values[i * k : (i + 1) * k]] for i in range(len(examples))]
     keys = [[extract_answer(t) for t in texts[i * k : (i + 1) * k]] for i in range(len(examples))]
     metrics = sample_metrics(correct, ks=sorted({1, k}), keys=keys)
+    metrics["mean_score"] = sum(values) / len(values) if values else float("nan")
     questions = [e.prompt for e in examples for _ in range(k)]
     items = item_records(questions, texts, answers, scores)
     for i, item in enumerate(items):
         item["sample"] = i % k
-    return (metrics if k > 1 else {"pass@1": metrics["pass@1"]}), items
+    if k == 1:
+        metrics = {"pass@1": metrics["pass@1"], "mean_score": metrics["mean_score"]}
+    return metrics, items
 
 
 @app.command("export")
