@@ -382,20 +382,22 @@ def test_prm_credit_refusals_are_one_line(sets: list[str], words: str) -> None:
 
 @pytest.mark.slow
 def test_grpo_trains_with_step_credit_on_demo(tmp_path: Path, token_prm: Path) -> None:
-    """The demo's answers are one step each, so a ' ' delimiter cannot split them; '1' can
-    (e.g. "110" -> "1", "10"...), so multi-step completions and non-zero credit do occur."""
+    """The demo's answers are one step each under ' '; split at '2', sums 120-129 have two
+    steps ("125" -> "1", "5"), and with aggregate: sum G_2 - G_1 = -r_1 != 0, so some tokens of
+    the step's 16 completions get non-zero credit."""
     from tests.test_train_e2e import SMALL, essa, sets
 
     params = [f"reward.params.prm={token_prm}", "reward.params.prm_weight=0.5",
-              "reward.params.aggregate=min", "reward.params.step_delimiter='1'"]  # fmt: skip
+              "reward.params.aggregate=sum", "reward.params.step_delimiter='2'"]  # fmt: skip
     run_dir = tmp_path / "run"
     res = essa(
         "train", "--run-dir", str(run_dir),
         *sets(*SMALL, "algorithm=grpo", "grpo.prompts_per_step=4", "grpo.group_size=4",
-              "grpo.prm_credit=step", "reward.name=prm", *params, "run.generations=2",
+              "grpo.prm_credit=step", "reward.name=prm", *params, "run.generations=3",
               "evaluation.use_scale_baseline=false"),
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     credit = [r["prm_step_credit"] for r in lines if r["generation"] >= 0]
-    assert len(credit) == 2 and all(math.isfinite(c) and c >= 0 for c in credit)
+    assert len(credit) == 3 and all(math.isfinite(c) and c >= 0 for c in credit)
+    assert max(credit) > 0, "no two-step completion: the test would prove nothing"
