@@ -17,6 +17,7 @@ after the last step, such as EOS, to the last step).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,22 +31,43 @@ from essa.rewards.base import Reward
 def token_steps(char_ends: Sequence[int], step_ends: Sequence[int]) -> list[int]:
     """The step index of each token, from the tokens' character ends (cumulative, exclusive).
 
+    Token t starts at ``char_ends[t - 1]`` (0 for t = 0) and belongs to the first step whose end
+    lies after that; the ends are non-decreasing, so each step's first token is a bisection and
+    only O(K log T) of ``char_ends`` are read (a lazy :class:`PrefixEnds` decodes just those).
+
     >>> token_steps([2, 4, 7, 9], [3, 8])  # tokens [0,2) [2,4) [4,7) [7,9); steps end at 3, 8
     [0, 0, 1, 1]
     """
-    steps, start = [], 0
-    for end in char_ends:
-        k = next((j for j, e in enumerate(step_ends) if e > start), len(step_ends) - 1)
-        steps.append(k)
-        start = end
-    return steps
+    n = len(char_ends)
+    steps: list[int] = []
+    for j, end in enumerate(step_ends):  # tokens starting before this step's end: steps <= j
+        count = 1 + bisect.bisect_left(char_ends, end, 0, max(n - 1, 0))
+        steps.extend([j] * (min(count, n) - len(steps)))
+    return steps + [len(step_ends) - 1] * (n - len(steps))  # after the last step: the last
+
+
+class PrefixEnds(Sequence[int]):
+    """``len(decode(ids[: t + 1]))`` for each t, decoded on first access only."""
+
+    def __init__(self, tokenizer: Any, ids: Sequence[int]) -> None:
+        self.tokenizer, self.ids = tokenizer, list(ids)
+        self._cache: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, t: int) -> int:  # type: ignore[override]
+        if t not in self._cache:
+            prefix = self.ids[: t + 1]
+            self._cache[t] = len(self.tokenizer.decode(prefix, skip_special_tokens=True))
+        return self._cache[t]
 
 
 def char_ends(tokenizer: Any, ids: Sequence[int]) -> list[int]:
     """Each completion token's character end in the decoded completion (prefix decodes, so
     tokens that only complete a multi-byte character are attributed where the text grows)."""
-    return [len(tokenizer.decode(list(ids[: t + 1]), skip_special_tokens=True))
-            for t in range(len(ids))]  # fmt: skip
+    ends = PrefixEnds(tokenizer, ids)
+    return [ends[t] for t in range(len(ends))]
 
 
 def step_credit(tokenizer: Any, out: Rollout, prompts: list[str], reward: Reward) -> torch.Tensor:
@@ -60,6 +82,6 @@ def step_credit(tokenizer: Any, out: Rollout, prompts: list[str], reward: Reward
             continue
         n = int(out.mask[b].sum())
         ids = out.completion_ids[b, :n].tolist()
-        ks = token_steps(char_ends(tokenizer, ids), ends)
+        ks = token_steps(PrefixEnds(tokenizer, ids), ends)  # O(K log T) prefix decodes
         credit[b, :n] = weight * (torch.tensor([values[k] for k in ks]) - values[0])
     return credit
