@@ -1,6 +1,7 @@
 """Informative prompts and process rewards (issue 21): each switch beside the same recipe off.
 
     python -m bench.signal [--seeds 0 1 2] [--recipes essa grpo] [--switches greso ...]
+                           [--pool N]
 
 Every run is ``essa train`` on the embedded demo (its SFT adapter) in a fresh process, with a
 fixed number of generations (ESSA) or steps (GRPO), so rows generated are equal across
@@ -19,7 +20,12 @@ pool (no PRM weights can be downloaded here); it is combined with the 0/1 outcom
 It stays at chance on the demo (bench/tiny_prm.py says why), so the default switch list leaves
 it out: a PRM row from a verifier at chance would measure noise, not process rewards.
 
-Writes bench/results/signal.json and signal.md (the README table).
+``--pool N`` trains on the first N training prompts only (``data.train_size``, both recipes):
+the demo's pool of 9000 prompts is drawn 1536 (ESSA) or 960 (GRPO) times per run, so a prompt
+is rarely seen twice and the switches, which act on a prompt's own history, have little to act
+on; a small pool is revisited (N = 128: about 12 and 7 visits per prompt).
+
+Writes bench/results/signal.json and signal.md (the README table), or signal_pool<N>.*.
 """
 
 from __future__ import annotations
@@ -94,11 +100,13 @@ def rows_to(points: list[tuple[int, float]], threshold: float) -> int | None:
     return next((rows for rows, acc in points if acc >= threshold - 1e-12), None)
 
 
-def run(recipe: str, switch: str, seed: int, root: Path, prm: Path, threads: int) -> dict:
+def run(
+    recipe: str, switch: str, seed: int, root: Path, prm: Path, threads: int, pool: list[str]
+) -> dict:
     run_dir = root / recipe / switch / f"seed{seed}"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     own = [s.format(prm=prm) for s in SWITCHES[switch]]
-    sets = [*COMMON, *RECIPES[recipe], f"run.seed={seed}", *own]
+    sets = [*COMMON, *pool, *RECIPES[recipe], f"run.seed={seed}", *own]
     cmd = [sys.executable, "-m", "essa.cli", "train", "--overwrite", "--run-dir", str(run_dir)]
     cmd += [x for s in sets for x in ("--set", s)]
     wall = launch(cmd, run_dir.parent / f"seed{seed}.log", threads)
@@ -179,8 +187,16 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--root", default="runs/bench-signal")
+    parser.add_argument(
+        "--pool",
+        type=int,
+        default=None,
+        help="train on the first N training prompts only (data.train_size)",
+    )
     args = parser.parse_args()
-    root = Path(args.root)
+    root = Path(args.root) if args.pool is None else Path(args.root) / f"pool{args.pool}"
+    pool = [] if args.pool is None else [f"data.train_size={args.pool}"]
+    name = "signal" if args.pool is None else f"signal_pool{args.pool}"
     prm = root / "tiny-prm"
     if "prm" in args.switches:
         from bench.tiny_prm import train_demo_prm
@@ -191,8 +207,9 @@ def main() -> None:
     else:
         prm_stats = None
     switches = ["off", *(s for s in args.switches if s != "off")]  # the reference runs first
-    result: dict[str, Any] = {"common": COMMON, "recipes": RECIPES, "switches": SWITCHES,
-                              "prm": prm_stats, "runs": {}, "summary": {}}  # fmt: skip
+    result: dict[str, Any] = {"common": [*COMMON, *pool], "recipes": RECIPES,
+                              "switches": SWITCHES, "prm": prm_stats, "runs": {},
+                              "summary": {}}  # fmt: skip
     command = "python -m bench.signal " + " ".join(sys.argv[1:])
     for recipe in args.recipes:
         runs: dict[str, list[dict]] = {}
@@ -202,7 +219,7 @@ def main() -> None:
             runs[switch] = []
             for seed in args.seeds:
                 print(f"[signal] {recipe} {switch} seed {seed} ...", flush=True)
-                r = run(recipe, switch, seed, root, prm, args.threads)
+                r = run(recipe, switch, seed, root, prm, args.threads, pool)
                 print(f"[signal] {recipe} {switch} seed {seed}: {r['sft']:.3f} -> "
                       f"{r['final']:.3f}, {r['rows']} rows, {r['wall_seconds']:.0f} s",
                       flush=True)  # fmt: skip
@@ -212,8 +229,8 @@ def main() -> None:
             s: [{k: v for k, v in r.items() if k != "scores"} for r in rs] for s, rs in runs.items()
         }
         RESULTS.mkdir(parents=True, exist_ok=True)
-        write_result("signal", result, command.strip())  # after each recipe: nothing lost
-        (RESULTS / "signal.md").write_text(table(result) + "\n")
+        write_result(name, result, command.strip())  # after each recipe: nothing lost
+        (RESULTS / f"{name}.md").write_text(table(result) + "\n")
     print(table(result))
 
 

@@ -138,6 +138,9 @@ class DataConfig:
     params: dict[str, Any] = field(default_factory=dict)  # reasoning_gym:TASK: the task's config
     sft_size: int = 1000  # training examples reserved for the SFT stage (demo: 100)
     test_size: int = 1000  # held-out examples (builtin tasks have a fixed split)
+    # Training pool: only the first N examples after the SFT cut (None: all). A small pool is
+    # revisited, which the per-prompt histories of data.selection and data.hints need.
+    train_size: int | None = None
     batch_size: int = 64  # prompts per generation, shared by all candidates
     selection: SelectionConfig = field(default_factory=SelectionConfig)  # training prompts only
     hints: HintConfig = field(default_factory=HintConfig)  # training prompts only, never held-out
@@ -612,6 +615,8 @@ def check_values(cfg: Config) -> None:
     for key, value in nonneg.items():
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
+    if cfg.data.train_size is not None and cfg.data.train_size < 1:
+        raise ConfigError(f"data.train_size: must be >= 1 or null, got {cfg.data.train_size}")
     if len(set(cfg.run.report_to)) != len(cfg.run.report_to):
         raise ConfigError(f"run.report_to: a tracker is named twice: {list(cfg.run.report_to)}")
     if cfg.reward.timeout_seconds is not None and not cfg.reward.timeout_seconds > 0:

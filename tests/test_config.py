@@ -75,6 +75,7 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("adapter:\n  target_modules: q_proj\n", ":2: adapter.target_modules: expected a list"),
         ("model: 3\n", ":1: model: expected a mapping"),
         ("optimizer:\n  population_size: 0\n", ":2: optimizer.population_size: must be > 0"),
+        ("data:\n  train_size: 0\n", ":2: data.train_size: must be >= 1 or null, got 0"),
         (
             "adapter:\n  rank: 8\n  alpha: 0.1\n",
             ":3: adapter.alpha: 0.1 with adapter.rank=8 selects zero",

@@ -204,6 +204,17 @@ def test_split_examples() -> None:
             split_examples(items, test_size=bad, seed=0)
 
 
+def test_train_size_keeps_the_first_training_examples_and_the_other_splits() -> None:
+    from essa.config import DataConfig
+    from essa.recipes.common import load_task
+
+    full = load_task(DataConfig(), seed=3)
+    small = load_task(DataConfig(train_size=7), seed=3)
+    assert small.train == full.train[:7]
+    assert (small.sft, small.test) == (full.sft, full.test)  # the SFT cut and held-out unchanged
+    assert load_task(DataConfig(train_size=10**9), seed=3).train == full.train
+
+
 # ---------------------------------------------------------------------------------------------
 # Prompt templates
 

@@ -62,7 +62,7 @@ def load_task(cfg: DataConfig, seed: int) -> Task:
     # The SFT/train cut depends on the run seed: one SFT adapter per (task, seed).
     order = np.random.default_rng(np.random.SeedSequence([seed, 8])).permutation(len(pool))
     pool = [pool[i] for i in order]
-    sft, train = pool[: cfg.sft_size], pool[cfg.sft_size :]
+    sft, train = pool[: cfg.sft_size], pool[cfg.sft_size :][: cfg.train_size]
     if not train:
         raise UserError(
             f"data.source {cfg.source}: no training examples left after the "
