@@ -9,7 +9,8 @@ reused from its ``--root`` when it has finished there (``--reuse``). Each arm is
 the default arm of the same seed on the same held-out items (paired), and its held-out gain
 over its own SFT adapter per wall-minute (2 cores) is reported.
 
-Writes bench/results/real_model_ablation.json and .md.
+Writes bench/results/real_model_ablation.json and .md (chain_sum), or
+real_model_ablation_<task>.json and .md for another task.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ ARMS: dict[str, list[str]] = {
     "longer_sft": ["sft.steps=48"],
     # Memory: 128 rows per forward instead of the population's 512 (peak RSS vs speed)
     "small_micro_batch": ["evaluation.micro_batch_size=128"],
+    # Hansen's escape from flat fitness: sigma x1.22 when the task reward ties the top 70%
+    "escape_flat": ["optimizer.escape_flat_reward=true"],
 }
 
 
@@ -106,8 +109,9 @@ def main() -> None:
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     command = "python -m bench.real_model_ablation " + " ".join(sys.argv[1:])
-    write_result("real_model_ablation", result, command.strip())
-    (RESULTS / "real_model_ablation.md").write_text(table(result) + "\n")
+    stem = "real_model_ablation" + ("" if args.task == "chain_sum" else f"_{args.task}")
+    write_result(stem, result, command.strip())
+    (RESULTS / f"{stem}.md").write_text(table(result) + "\n")
     print(table(result))
 
 

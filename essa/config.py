@@ -91,6 +91,10 @@ class OptimizerConfig:
     variant: Literal["auto", "full", "sep"] = "auto"  # cma_es covariance
     sep_above_dim: int = 2000  # cma_es: diagonal covariance above this dimension when auto
     mirrored: bool = False  # cma_es: antithetic candidate pairs (openai_es always samples them)
+    # cma_es: when the task reward ties the top 70% of the population (the reference tie-breaker
+    # alone ranks them), multiply sigma by exp(0.2 + cs/damps), about 1.22: Hansen's escape from
+    # flat fitness, so candidates that all answer alike are pushed apart until the reward ranks.
+    escape_flat_reward: bool = False
     # Where the search starts: the SFT adapter (offsets 0), or the no-search baseline's best
     # uniformly scaled SFT adapter (runs the scale baseline; its factor chosen on training
     # prompts), so the search spends no generations on the one direction scaling already finds.
@@ -630,6 +634,13 @@ def check_values(cfg: Config) -> None:
         )
     if cfg.optimizer.mirrored and cfg.optimizer.name != "cma_es":
         raise ConfigError("optimizer.mirrored: applies to cma_es (openai_es is always antithetic)")
+    if cfg.optimizer.escape_flat_reward and (
+        cfg.optimizer.name != "cma_es" or cfg.optimizer.layerwise.active_layers is not None
+    ):
+        raise ConfigError(
+            "optimizer.escape_flat_reward: applies to cma_es without layerwise (it widens "
+            "CMA-ES's step size)"
+        )
     if cfg.optimizer.mirrored and cfg.optimizer.population_size % 2:
         raise ConfigError("optimizer.population_size: mirrored pairs need an even population")
     if cfg.optimizer.name == "openai_es" and cfg.optimizer.population_size % 2:

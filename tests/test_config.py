@@ -77,6 +77,10 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("optimizer:\n  population_size: 0\n", ":2: optimizer.population_size: must be > 0"),
         ("data:\n  train_size: 0\n", ":2: data.train_size: must be >= 1 or null, got 0"),
         (
+            "optimizer:\n  name: openai_es\n  escape_flat_reward: true\n",
+            ":3: optimizer.escape_flat_reward: applies to cma_es without layerwise",
+        ),
+        (
             "adapter:\n  rank: 8\n  alpha: 0.1\n",
             ":3: adapter.alpha: 0.1 with adapter.rank=8 selects zero",
         ),
@@ -144,7 +148,8 @@ def test_cli_validate_shipped_and_bad(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert res.stderr.strip() == (
         f"error: {bad}:2: optimizer.popsize: unknown key (known: name, population_size, sigma0, "
-        "use_relative_steps, variant, sep_above_dim, mirrored, start, lr, step, layerwise)"
+        "use_relative_steps, variant, sep_above_dim, mirrored, escape_flat_reward, start, lr, step, "
+        "layerwise)"
     )
 
 

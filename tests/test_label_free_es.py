@@ -104,7 +104,7 @@ def _run(tiny_model_dir: Path, run_dir: Path, ranks: int, *sets: str) -> dict:
         ),
         ("reward.name=self_confidence",),
         ("reward.name=reference_logprob",),
-        ("reward.reference_weight=0.5",),
+        ("reward.reference_weight=0.5", "optimizer.escape_flat_reward=true"),
     ],
     ids=["pool-population", "k-samples", "self-confidence", "reference-logprob", "tie-breaker"],
 )
@@ -125,6 +125,8 @@ def test_label_free_and_logprob_rewards_train_end_to_end(
         assert all(r["reference_logprob"] < 0 for r in records)
         # The fitness is the reward plus the weighted log-likelihood: below the reward alone.
         assert all(r["mean_fitness"] < 1 + 0.5 * r["reference_logprob"] + 1e-9 for r in records)
+        # Under escape_flat_reward, sigma widens exactly on the generations the reward was flat.
+        assert all(r["sigma_widened"] == r["reward_flat"] for r in records)
 
 
 def test_group_reward_without_groups_is_one_clear_line(

@@ -434,3 +434,36 @@ def test_cma_es_mirrored_pairs_are_antithetic_and_resume_exactly() -> None:
     np.testing.assert_array_equal(again.ask(), opt.ask())
     with pytest.raises(ValueError, match="even population"):
         CMAES(6, population_size=7, sigma0=0.3, seed=4, mirrored=True)
+
+
+def test_cma_es_flat_reward_widens_sigma_by_hansens_factor_and_resumes_exactly() -> None:
+    from essa.optimizers.cma_es import CMAES
+
+    def build() -> CMAES:
+        return CMAES(6, population_size=8, sigma0=0.3, seed=4, mirrored=True)
+
+    opt, plain = build(), build()
+    # D = 6, mu_eff of popsize 8: cs = (mu_eff + 2) / (D + mu_eff + 5), damps = 1 + cs here.
+    mueff = float(opt._es.sp.weights.mueff)
+    cs = (mueff + 2) / (6 + mueff + 5)
+    factor = np.exp(0.2 + cs / (1 + 2 * max(0.0, np.sqrt((mueff - 1) / 7) - 1) + cs))
+    assert opt.flat_factor() == pytest.approx(factor)
+    rng = np.random.default_rng(1)
+    for g in range(2):
+        X, Y = opt.ask(), plain.ask()
+        np.testing.assert_array_equal(X, Y)  # same state so far, except sigma
+        fitness = -np.sum(X**2, axis=1) + rng.normal(0, 0.01, 8)
+        m = opt.tell(X, fitness, flat=g == 1)
+        plain.tell(Y, fitness)
+        assert m["sigma_widened"] == float(g == 1)
+        if g == 1:
+            assert opt.sigma == pytest.approx(plain.sigma * factor)
+    assert opt.state_dict()["widened"] == [1]
+    again = build()
+    again.load_state_dict(opt.state_dict())
+    assert again.sigma == opt.sigma and again.checksum() == opt.checksum()
+    np.testing.assert_array_equal(again.ask(), opt.ask())
+    # A generation that ranks nothing is skipped, so it widens nothing either.
+    before = opt.sigma
+    assert opt.tell(opt.ask(), np.zeros(8), flat=True)["sigma_widened"] == 0.0
+    assert opt.sigma == before

@@ -113,3 +113,37 @@ def test_reference_term_and_signal_metrics_by_hand() -> None:
     # best 0.75, mean 0.5 -> 8 prompts; population std of (0.5, 0.25, 0.75) = 0.2041 -> 6.53
     assert m["margin_prompts"] == pytest.approx(8.0)
     assert m["spread_prompts"] == pytest.approx(np.std([0.5, 0.25, 0.75]) * 32)
+
+
+def test_reward_is_flat_follows_hansens_rule_by_hand() -> None:
+    from essa.recipes.fitness import reward_is_flat
+
+    # P = 10: flat when the best equals the ceil(0.7 * 10) = 7th best.
+    assert reward_is_flat(np.array([0.5] * 7 + [0.0] * 3))
+    assert not reward_is_flat(np.array([0.75] + [0.5] * 6 + [0.0] * 3))  # one stands out
+    assert not reward_is_flat(np.array([0.5] * 6 + [0.0] * 4))  # only 6 share the top
+    assert reward_is_flat(np.array([0.3, 0.1 + 0.2] + [0.3] * 5 + [np.nan] * 3))  # last-bit tie
+    assert not reward_is_flat(np.array([0.5] * 4 + [np.nan] * 6))  # failures rank worst
+
+
+def test_tell_widens_sigma_only_when_switched_on_and_the_reward_is_flat() -> None:
+    from essa.config import load_config
+    from essa.optimizers.cma_es import CMAES
+    from essa.recipes.essa_es import _tell
+
+    on = load_config(None, ["optimizer.escape_flat_reward=true"])
+    off = load_config(None, [])
+    fitness = -np.arange(8.0)  # ranked by the tie-breaker alone in the flat case
+    sigmas = {}
+    for name, cfg, pool in (
+        ("on-flat", on, {"reward_flat": 1.0}),
+        ("on-ranked", on, {"reward_flat": 0.0}),
+        ("off-flat", off, {"reward_flat": 1.0}),
+    ):
+        opt = CMAES(6, population_size=8, sigma0=0.3, seed=0)
+        metrics = _tell(cfg, opt, opt.ask(), fitness, pool)
+        sigmas[name] = (opt.sigma, metrics["sigma_widened"], opt.flat_factor())
+    assert sigmas["on-ranked"][1] == sigmas["off-flat"][1] == 0.0
+    assert sigmas["on-ranked"][0] == sigmas["off-flat"][0]
+    assert sigmas["on-flat"][1] == 1.0
+    assert sigmas["on-flat"][0] == pytest.approx(sigmas["off-flat"][0] * sigmas["on-flat"][2])

@@ -23,6 +23,13 @@ Where this departs from the paper or from plain pycma use:
   adaptation instead of CSA for D >= 300, mirrored sampling only when popsize < 6; with
   ``mirrored=True`` every candidate pair is antithetic (``CMA_mirrors = popsize / 2``,
   unconditional mirroring, ``CMA_mirrormethod = 0``), as OpenAI-ES samples always are.
+- Flat reward (``tell(..., flat=True)``): the caller says that the generation's primary reward
+  tied the top 70% of the population, so any ranking came from a secondary term (ESSA's
+  reference log-likelihood tie-breaker). After telling pycma, sigma is multiplied by
+  ``exp(0.2 + cs / damps)``, Hansen's "escape flat fitness" rule (purecmaes.m, The CMA Evolution
+  Strategy: A Tutorial, 2016); pycma 4 stops on flat fitness instead. cs and damps are CSA's
+  defaults for (D, mu_eff) since TPA has none: at D ~ 2000 the factor is about 1.22. The
+  generations widened are stored in the state and replayed on resume.
 - No termination: every stopping criterion is disabled and ``stop()`` is never called (it would
   read a signals file from the working directory). The caller drives the loop by budget.
 - Randomness: one dedicated ``np.random.Generator`` seeded from ``SeedSequence(seed)`` is passed as
@@ -179,6 +186,7 @@ class CMAES(BestSoFar):
         self._pending: list[np.ndarray] | None = None  # pycma's own arrays from the last ask
         self._pending_population: Population | None = None  # (P, D) stacked copy
         self._n_skipped = 0
+        self._widened: list[int] = []  # generations after which sigma escaped a flat reward
 
     def _new_pycma(self) -> Any:
         """Build the pycma strategy from the constructor arguments alone."""
@@ -248,8 +256,14 @@ class CMAES(BestSoFar):
             self._pending_population = np.array(self._pending, dtype=np.float64)
         return self._pending_population
 
-    def tell(self, population: Population, fitness: Fitness) -> dict[str, float]:
-        """Update from the last asked population; NaN fitness = failed, ranked worst."""
+    def tell(
+        self, population: Population, fitness: Fitness, *, flat: bool = False
+    ) -> dict[str, float]:
+        """Update from the last asked population; NaN fitness = failed, ranked worst.
+
+        ``flat``: the primary reward ranked nothing this generation (module docstring); sigma
+        then grows by :meth:`flat_factor` after the update.
+        """
         fitness = as_fitness(fitness, self._population_size)
         check_population(population, self._ensure_pending())
         all_failed = bool(np.all(np.isnan(fitness)))
@@ -258,13 +272,28 @@ class CMAES(BestSoFar):
                 f"all {fitness.size} evaluations failed (NaN) in generation {self.generation}"
             )
         self._apply(fitness)
+        widen = flat and not ranks_nothing(fitness)  # a skipped generation moved nothing
+        if widen:
+            self._widen(self.generation)
         self._history.append(fitness_to_json(fitness))
         return {
             **fitness_metrics(fitness),
             "sigma": self.sigma,
             "skipped": float(ranks_nothing(fitness)),
+            "sigma_widened": float(widen),
             "generation": float(self.generation),
         }
+
+    def flat_factor(self) -> float:
+        """exp(0.2 + cs / damps) with CSA's default cs and damps for this (D, mu_eff)."""
+        n, mueff = self._dim, float(self._es.sp.weights.mueff)
+        cs = (mueff + 2) / (n + mueff + 5)
+        damps = 1 + 2 * max(0.0, math.sqrt((mueff - 1) / (n + 1)) - 1) + cs
+        return math.exp(0.2 + cs / damps)
+
+    def _widen(self, generation: int) -> None:
+        self._es.sigma *= self.flat_factor()
+        self._widened.append(generation)
 
     def _apply(self, fitness: Fitness) -> None:
         """Tell pycma and clear the pending population, or skip a generation that ranks nothing."""
@@ -290,6 +319,7 @@ class CMAES(BestSoFar):
             "history": [list(fitness) for fitness in self._history],
             "generation": self.generation,
             "n_skipped": self._n_skipped,
+            **({"widened": list(self._widened)} if self._widened else {}),
             "mean": self.mean.tolist(),
             "sigma": self.sigma,
             "cma_version": _cma_version(),
@@ -307,6 +337,7 @@ class CMAES(BestSoFar):
                 stacklevel=2,
             )
         self._reset()
+        widened = set(state.get("widened", []))
         for entry in state["history"]:
             self._ensure_pending()
             fitness = fitness_from_json(entry)
@@ -317,6 +348,8 @@ class CMAES(BestSoFar):
                     f"{self._population_size}"
                 )
             self._apply(fitness)
+            if len(self._history) in widened:
+                self._widen(len(self._history))
             self._history.append(list(entry))
         self._warn_if_replay_differs(state)
 

@@ -178,7 +178,7 @@ def _generation(
     )
     faults = fault_delta(faults_before, fault_counts(reward, evaluator))
     check_generation(g, fitness, faults, reward.name)
-    opt_metrics = opt.tell(population, fitness)
+    opt_metrics = _tell(cfg, opt, population, fitness, pool)
     check_replicas(comm, opt, g)  # every rank must now hold the same state
     tokens = evaluator.stats.new_tokens - tokens_before
     seconds = time.perf_counter() - start
@@ -189,6 +189,19 @@ def _generation(
     if informative is not None:  # prompts_skipped, rows_saved, prompts_hinted, ...
         record.update(informative.end_step())
     return record, population, fitness
+
+
+def _tell(
+    cfg: Config, opt: Optimizer, population: Population, fitness: Fitness, pool: dict[str, Any]
+) -> dict[str, float]:
+    """opt.tell; under optimizer.escape_flat_reward, a generation whose task reward (before the
+    tie-breaker) ranked nothing widens CMA-ES's sigma (config admits it on plain cma_es only)."""
+    if not (cfg.optimizer.escape_flat_reward and pool.get("reward_flat")):
+        return opt.tell(population, fitness)
+    from essa.optimizers.cma_es import CMAES
+
+    assert isinstance(opt, CMAES)
+    return opt.tell(population, fitness, flat=True)
 
 
 def _informative(cfg: Config, tokenizer: Any, state: dict[str, Any] | None) -> Informative | None:

@@ -5,6 +5,7 @@ numpy only: the evaluator (an :class:`essa.protocols.Evaluator`) does the genera
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -250,7 +251,22 @@ def signal_metrics(fitness: Fitness, n_prompts: int) -> dict[str, float]:
     return {
         "margin_prompts": float((finite.max() - finite.mean()) * n_prompts),
         "spread_prompts": float(finite.std() * n_prompts),
+        "reward_flat": float(reward_is_flat(fitness)),
     }
+
+
+def reward_is_flat(fitness: Fitness) -> bool:
+    """Hansen's flat-fitness test (purecmaes.m): the best value equals the ceil(0.7 P)-th best,
+    i.e. the reward cannot rank the top 70% of the P candidates. Failed (NaN) candidates count
+    as worst. Equality allows a relative 1e-12: equal means summed in another order may differ
+    in the last bit.
+
+    >>> reward_is_flat(np.array([0.5] * 12 + [0.25] * 4)), reward_is_flat(np.array([1.0, 0.5]))
+    (True, False)
+    """
+    ranked = np.sort(np.where(np.isnan(fitness), -np.inf, fitness))[::-1]  # best first
+    kth = ranked[math.ceil(0.7 * fitness.size) - 1]
+    return bool(np.isfinite(kth) and abs(ranked[0] - kth) <= 1e-12 * max(1.0, abs(kth)))
 
 
 def prompt_values(
