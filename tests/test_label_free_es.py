@@ -72,11 +72,16 @@ def test_generated_logprobs_match_teacher_forcing(setup, monkeypatch) -> None:  
         )  # fmt: skip
         got = evaluator.last_logprobs
         assert [len(x) for x in got] == [len(PROMPTS)] * 2
+        compared = 0
         for item, text in enumerate(texts[0]):
             n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-            # One log-prob per generated token: the text's own, plus the stop token if any.
-            assert len(got[0][item]) in (n, n + 1) and n > 0
-            assert got[0][item][:n] == pytest.approx(forced[0][item], abs=1e-4)
+            # One log-prob per generated token: the text's own, plus the stop token if any
+            # (a random model may stop at once: an empty text with the stop token's alone).
+            assert len(got[0][item]) in (n, n + 1)
+            if n:
+                assert got[0][item][:n] == pytest.approx(forced[0][item], abs=1e-4)
+                compared += 1
+        assert compared > 0  # at least one completion's tokens were checked
 
 
 def test_reference_logprobs_on_the_evaluator(setup) -> None:  # type: ignore[no-untyped-def]
