@@ -272,14 +272,15 @@ class CMAES(BestSoFar):
                 f"all {fitness.size} evaluations failed (NaN) in generation {self.generation}"
             )
         self._apply(fitness)
-        widen = flat and not ranks_nothing(fitness)  # a skipped generation moved nothing
+        skipped = ranks_nothing(fitness)
+        widen = flat and not skipped  # a skipped generation moved nothing
         if widen:
             self._widen(self.generation)
         self._history.append(fitness_to_json(fitness))
         return {
             **fitness_metrics(fitness),
             "sigma": self.sigma,
-            "skipped": float(ranks_nothing(fitness)),
+            "skipped": float(skipped),
             "sigma_widened": float(widen),
             "generation": float(self.generation),
         }
