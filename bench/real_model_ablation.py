@@ -9,13 +9,24 @@ reused from its ``--root`` when it has finished there (``--reuse``). Each arm is
 the default arm of the same seed on the same held-out items (paired), and its held-out gain
 over its own SFT adapter per wall-minute (2 cores) is reported.
 
+Issue 21's per-prompt switches on the real model are arms too (``pool_greso``, ``pool_hints``):
+they act on a prompt's own history, which needs prompts that come back, so they and their
+baseline ``pool`` train on a 128-prompt pool and are paired with ``pool``::
+
+    python -m bench.real_model_ablation --arms pool pool_greso --baseline pool \
+        --out real_model_signal --reuse
+
+Their rows also give rows generated, rows per point of held-out gain, bench.signal's
+rows-to-threshold ratio (baseline / arm) and the prompts skipped and hinted.
+
 Writes bench/results/real_model_ablation.json and .md (chain_sum), or
-real_model_ablation_<task>.json and .md for another task.
+real_model_ablation_<task>.json and .md for another task, or ``--out NAME``.json and .md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -24,8 +35,10 @@ from typing import Any
 
 from bench.common import write_result
 from bench.real_model import TASKS, essa_seed, paired, task_config
+from bench.signal import curve, rows_per_step, rows_to
 
 RESULTS = Path("bench/results")
+POOL = ["data.train_size=128"]
 ARMS: dict[str, list[str]] = {
     "default": [],
     "no_tie_breaker": ["reward.reference_weight=0"],  # correctness alone ranks
@@ -37,11 +50,65 @@ ARMS: dict[str, list[str]] = {
     "small_micro_batch": ["evaluation.micro_batch_size=128"],
     # Hansen's escape from flat fitness: sigma x1.22 when the task reward ties the top 70%
     "escape_flat": ["optimizer.escape_flat_reward=true"],
+    # Issue 21 on the real model: the per-prompt switches need prompts that come back, so these
+    # arms share a 128-prompt training pool (35 generations x 32 prompts: ~9 visits each) and
+    # are compared with `pool` (`--baseline pool`), not with the default's 1600-prompt pool.
+    "pool": POOL,
+    "pool_greso": [*POOL, "data.selection.name=greso"],
+    "pool_hints": [*POOL, "data.hints.after=2"],
 }
+
+ABLATION = [a for a in ARMS if not a.startswith("pool")]  # the default --arms: deliverable 2
 
 
 def gain_per_minute(run: dict[str, Any]) -> float:
     return run["essa_vs_sft"]["gain"] / (run["summary"]["wall_seconds"] / 60)
+
+
+def prompt_signal(run_dir: Path, final: float) -> dict[str, Any]:
+    """Rows generated, the held-out curve against rows (SFT, every pass, the final) and the
+    per-prompt switches' counts, from the run's metrics.jsonl (issue 21's measures)."""
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in records if m["generation"] >= 0]
+    rows = sum(rows_per_step(run_dir, m) for m in steps)
+    spread = [m["zero_spread_fraction"] for m in steps if "zero_spread_fraction" in m]
+    return {
+        "rows": rows,
+        "curve": [*curve(run_dir), (rows, final)],
+        "prompts_skipped": sum(m.get("prompts_skipped", 0) for m in steps),
+        "rows_saved": sum(m.get("rows_saved", 0) for m in steps),
+        "prompts_hinted": sum(m.get("prompts_hinted", 0) for m in steps),
+        "zero_spread_fraction": statistics.mean(spread) if spread else None,
+    }
+
+
+def rows_summary(arm: list[dict], base: list[dict]) -> dict[str, Any]:
+    """Rows per unit of held-out gain, and rows-to-threshold base / arm (bench.signal's: the rows
+    until the curve first reaches SFT + 90% of the baseline run's final gain, same seed)."""
+    ratios = []
+    for a, b in zip(arm, base, strict=True):
+        sft = b["accuracy"]["sft"]
+        threshold = sft + 0.9 * (b["accuracy"]["final"] - sft)
+        mine, theirs = (
+            rows_to(a["signal"]["curve"], threshold),
+            rows_to(b["signal"]["curve"], threshold),
+        )
+        ratios.append(theirs / mine if mine and theirs else None)
+    finite = [x for x in ratios if x is not None]
+    gain = sum(r["essa_vs_sft"]["gain"] for r in arm)
+    return {
+        "rows": statistics.mean(r["signal"]["rows"] for r in arm),
+        # all seeds' rows over all seeds' gain (None when the arm gained nothing)
+        "rows_per_gain": sum(r["signal"]["rows"] for r in arm) / gain if gain > 0 else None,
+        "rows_to_threshold_ratio": ratios,
+        "rows_to_threshold_geomean": math.exp(statistics.mean(map(math.log, finite)))
+        if finite
+        else None,  # fmt: skip
+        **{
+            k: statistics.mean(r["signal"][k] for r in arm)
+            for k in ("prompts_skipped", "rows_saved", "prompts_hinted")
+        },
+    }
 
 
 def summarise(arm: list[dict], default: list[dict]) -> dict[str, Any]:
@@ -49,7 +116,9 @@ def summarise(arm: list[dict], default: list[dict]) -> dict[str, Any]:
         paired(a["scores"]["final"], d["scores"]["final"])
         for a, d in zip(arm, default, strict=True)
     ]
+    signal = all("signal" in r for r in [*arm, *default])
     return {
+        **(rows_summary(arm, default) if signal else {}),
         "final": statistics.mean(r["accuracy"]["final"] for r in arm),
         "sft": statistics.mean(r["accuracy"]["sft"] for r in arm),
         "gain_over_sft": statistics.mean(r["essa_vs_sft"]["gain"] for r in arm),
@@ -62,17 +131,32 @@ def summarise(arm: list[dict], default: list[dict]) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
+    base = result.get("baseline", "default")
+    signal = all("rows" in s for s in result["summary"].values())
+    extra = " rows per point of gain | rows-to-threshold (per seed) | skipped | hinted |"
     lines = [
-        "| arm | change | SFT | final | gain over SFT | gain per minute | vs default (paired SE) |",
-        "|---|---|---|---|---|---|---|",
+        "| arm | change | SFT | final | gain over SFT | gain per minute | "
+        f"vs {base} (paired SE) |" + (extra if signal else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|---|---|" if signal else ""),
     ]
     for arm, s in result["summary"].items():
         change = ", ".join(f"`{c}`" for c in ARMS[arm]) or "(configs/smollm2.yaml)"
-        vs = "-" if arm == "default" else f"{s['vs_default']:+.3f} ({s['vs_default_se']:.3f})"
-        lines.append(
+        vs = "-" if arm == base else f"{s['vs_default']:+.3f} ({s['vs_default_se']:.3f})"
+        line = (
             f"| {arm} | {change} | {s['sft']:.3f} | {s['final']:.3f} | {s['gain_over_sft']:+.3f} "
             f"| {s['gain_per_minute']:+.4f} | {vs} |"
         )
+        if signal:
+            per_gain = "-" if s["rows_per_gain"] is None else f"{s['rows_per_gain'] / 100:.0f}"
+            ratios = ", ".join(
+                "never" if x is None else f"{x:.2f}" for x in s["rows_to_threshold_ratio"]
+            )
+            geo = s["rows_to_threshold_geomean"]
+            ratio = "-" if arm == base else (f"{geo:.2f}x ({ratios})" if geo else ratios)
+            line += (
+                f" {per_gain} | {ratio} | {s['prompts_skipped']:.0f} | {s['prompts_hinted']:.0f} |"
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -80,14 +164,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", default="chain_sum", choices=list(TASKS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=ABLATION, choices=list(ARMS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--root", default="runs/bench-real-model")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs under --root")
+    parser.add_argument("--baseline", default="default", choices=list(ARMS),
+                        help="the arm every other arm is paired against")  # fmt: skip
+    parser.add_argument("--out", help="results stem (default: real_model_ablation[_TASK])")
     args = parser.parse_args()
     root = Path(args.root) / args.task
     config = task_config(args.task, TASKS[args.task], root)
-    arms = ["default", *(a for a in args.arms if a != "default")]
+    arms = [args.baseline, *(a for a in args.arms if a != args.baseline)]
     runs: dict[str, list[dict]] = {}
     for arm in arms:
         runs[arm] = []
@@ -98,18 +185,20 @@ def main() -> None:
             print(f"[ablation] {arm} seed {seed}: SFT {run['accuracy']['sft']:.3f} -> "
                   f"{run['accuracy']['final']:.3f} in {run['summary']['wall_seconds']:.0f} s",
                   flush=True)  # fmt: skip
+            run["signal"] = prompt_signal(Path(run["run_dir"]), run["accuracy"]["final"])
             runs[arm].append(run)
     result = {
         "task": args.task,
         "arms": {a: ARMS[a] for a in arms},
-        "summary": {a: summarise(runs[a], runs["default"]) for a in arms},
+        "baseline": args.baseline,
+        "summary": {a: summarise(runs[a], runs[args.baseline]) for a in arms},
         "runs": {
             a: [{k: v for k, v in r.items() if k != "scores"} for r in rs] for a, rs in runs.items()
         },  # fmt: skip
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     command = "python -m bench.real_model_ablation " + " ".join(sys.argv[1:])
-    stem = "real_model_ablation" + ("" if args.task == "chain_sum" else f"_{args.task}")
+    stem = args.out or "real_model_ablation" + ("" if args.task == "chain_sum" else f"_{args.task}")
     write_result(stem, result, command.strip())
     (RESULTS / f"{stem}.md").write_text(table(result) + "\n")
     print(table(result))

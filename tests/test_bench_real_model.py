@@ -142,3 +142,65 @@ def test_ablation_arms_are_paired_with_the_default_of_their_seed() -> None:
                                        "no_tie_breaker": s}})  # fmt: skip
     assert "| no_tie_breaker | `reward.reference_weight=0` | 0.250 | 0.750 | +0.500 |" in text
     assert ARMS["default"] == []
+
+
+def test_real_model_signal_arms_count_rows_and_compare_with_their_baseline(tmp_path: Path) -> None:
+    """The per-prompt switches' real-model arms (issue 21): rows, the curve with the final
+    appended, skip/hint counts, rows per point of gain and rows-to-threshold against `pool`."""
+    from bench.real_model_ablation import ARMS, prompt_signal, summarise
+    from bench.real_model_ablation import table as ablation_table
+    from essa.config import dump_config, load_config
+
+    def run_dir(name: str, records: list[dict]) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        cfg = load_config(None, ["data.batch_size=8", "optimizer.population_size=4"])
+        (d / "config.yaml").write_text(dump_config(cfg))
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return d
+
+    base_records = [
+        {"generation": -1, "heldout_accuracy": 0.25},
+        {"generation": 0, "heldout_accuracy": 0.25},
+        {"generation": 1},
+    ]
+    on_records = [
+        {"generation": -1, "heldout_accuracy": 0.25},
+        {"generation": 0, "heldout_accuracy": 0.75, "prompts_skipped": 3, "rows_saved": 12,
+         "zero_spread_fraction": 0.5},
+        {"generation": 1, "prompts_skipped": 1, "rows_saved": 4, "prompts_hinted": 2,
+         "zero_spread_fraction": 0.25},
+    ]  # fmt: skip
+    # 4 candidates x 8 prompts = 32 rows per generation
+    base_signal = prompt_signal(run_dir("base", base_records), 0.5)
+    assert base_signal["rows"] == 64
+    assert base_signal["curve"] == [(0, 0.25), (32, 0.25), (64, 0.5)]
+    assert base_signal["zero_spread_fraction"] is None
+    on_signal = prompt_signal(run_dir("on", on_records), 0.75)
+    assert on_signal["prompts_skipped"] == 4 and on_signal["rows_saved"] == 16
+    assert on_signal["prompts_hinted"] == 2 and on_signal["zero_spread_fraction"] == 0.375
+
+    def run(final: list[float], signal: dict) -> dict:
+        sft = [0, 0, 1, 0]
+        return {
+            "scores": {"sft": sft, "final": final},
+            "accuracy": {"sft": 0.25, "final": sum(final) / len(final)},
+            "essa_vs_sft": paired(final, sft),
+            "summary": {"wall_seconds": 600},
+            "signal": signal,
+        }
+
+    base, on = [run([1, 0, 1, 0], base_signal)], [run([1, 1, 1, 0], on_signal)]
+    s = summarise(on, base)
+    # threshold 0.25 + 0.9 x 0.25 = 0.475: the base reaches it at 64 rows, the switch at 32
+    assert s["rows_to_threshold_ratio"] == [2.0] and s["rows_to_threshold_geomean"] == 2.0
+    assert s["rows_per_gain"] == pytest.approx(64 / 0.5)  # 64 rows for +0.5 over SFT
+    assert s["vs_default"] == 0.25 and s["prompts_skipped"] == 4
+    flat = summarise([run([0, 0, 1, 0], base_signal)], base)
+    assert flat["rows_per_gain"] is None  # no gain: no rows-per-gain figure
+    text = ablation_table({"baseline": "pool", "summary": {"pool": summarise(base, base),
+                                                           "pool_greso": s}})  # fmt: skip
+    assert "vs pool (paired SE)" in text
+    assert "| pool_greso | `data.train_size=128`, `data.selection.name=greso` |" in text
+    assert "| +0.250 (0.250) | 1 | 2.00x (2.00) | 4 | 2 |" in text
+    assert ARMS["pool_greso"] == [*ARMS["pool"], "data.selection.name=greso"]
