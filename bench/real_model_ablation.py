@@ -52,7 +52,8 @@ ARMS: dict[str, list[str]] = {
     "escape_flat": ["optimizer.escape_flat_reward=true"],
     # Issue 21 on the real model: the per-prompt switches need prompts that come back, so these
     # arms share a 128-prompt training pool (35 generations x 32 prompts: ~9 visits each) and
-    # are compared with `pool` (`--baseline pool`), not with the default's 1600-prompt pool.
+    # are compared with `pool` (`--baseline pool`), not with the default's full pool, where a
+    # prompt is drawn about once.
     "pool": POOL,
     "pool_greso": [*POOL, "data.selection.name=greso"],
     "pool_hints": [*POOL, "data.hints.after=2"],
