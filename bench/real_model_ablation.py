@@ -35,7 +35,7 @@ from typing import Any
 
 from bench.common import write_result
 from bench.real_model import TASKS, essa_seed, paired, task_config
-from bench.signal import curve, rows_per_step, rows_to
+from bench.signal import curve, geomean, rows_per_step, rows_ratio
 
 RESULTS = Path("bench/results")
 POOL = ["data.train_size=128"]
@@ -86,25 +86,19 @@ def prompt_signal(run_dir: Path, final: float) -> dict[str, Any]:
 def rows_summary(arm: list[dict], base: list[dict]) -> dict[str, Any]:
     """Rows per unit of held-out gain, and rows-to-threshold base / arm (bench.signal's: the rows
     until the curve first reaches SFT + 90% of the baseline run's final gain, same seed)."""
-    ratios = []
-    for a, b in zip(arm, base, strict=True):
-        sft = b["accuracy"]["sft"]
-        threshold = sft + 0.9 * (b["accuracy"]["final"] - sft)
-        mine, theirs = (
-            rows_to(a["signal"]["curve"], threshold),
-            rows_to(b["signal"]["curve"], threshold),
+    ratios = [
+        rows_ratio(
+            a["signal"]["curve"], b["signal"]["curve"], b["accuracy"]["sft"], b["accuracy"]["final"]
         )
-        ratios.append(theirs / mine if mine and theirs else None)
-    finite = [x for x in ratios if x is not None]
+        for a, b in zip(arm, base, strict=True)
+    ]
     gain = sum(r["essa_vs_sft"]["gain"] for r in arm)
     return {
         "rows": statistics.mean(r["signal"]["rows"] for r in arm),
         # all seeds' rows over all seeds' gain (None when the arm gained nothing)
         "rows_per_gain": sum(r["signal"]["rows"] for r in arm) / gain if gain > 0 else None,
         "rows_to_threshold_ratio": ratios,
-        "rows_to_threshold_geomean": math.exp(statistics.mean(map(math.log, finite)))
-        if finite
-        else None,  # fmt: skip
+        "rows_to_threshold_geomean": geomean(ratios),
         **{
             k: statistics.mean(r["signal"][k] for r in arm)
             for k in ("prompts_skipped", "rows_saved", "prompts_hinted")

@@ -102,6 +102,22 @@ def rows_to(points: list[tuple[int, float]], threshold: float) -> int | None:
     return next((rows for rows, acc in points if acc >= threshold - 1e-12), None)
 
 
+def rows_ratio(
+    on: list[tuple[int, float]], off: list[tuple[int, float]], sft: float, off_final: float
+) -> float | None:
+    """Rows-to-threshold off / on: the threshold is SFT + 90% of the off run's final gain (None
+    when either curve never reaches it)."""
+    threshold = sft + 0.9 * (off_final - sft)
+    mine, theirs = rows_to(on, threshold), rows_to(off, threshold)
+    return theirs / mine if mine and theirs else None
+
+
+def geomean(ratios: list[float | None]) -> float | None:
+    """Geometric mean of the finite ratios (None when there are none)."""
+    finite = [x for x in ratios if x is not None]
+    return math.exp(statistics.mean(map(math.log, finite))) if finite else None
+
+
 def run(
     recipe: str, switch: str, seed: int, root: Path, prm: Path, threads: int, pool: list[str]
 ) -> dict:
@@ -132,12 +148,10 @@ def run(
 def summarise(runs: list[dict], off: list[dict]) -> dict[str, Any]:
     """The switch's runs against the switch-off runs of the same seeds."""
     diffs = [paired(r["scores"], o["scores"]) for r, o in zip(runs, off, strict=True)]
-    ratios = []
-    for r, o in zip(runs, off, strict=True):
-        threshold = o["sft"] + 0.9 * (o["final"] - o["sft"])
-        mine, theirs = rows_to(r["curve"], threshold), rows_to(o["curve"], threshold)
-        ratios.append(None if not mine or not theirs else theirs / mine)
-    finite = [x for x in ratios if x is not None]
+    ratios = [
+        rows_ratio(r["curve"], o["curve"], o["sft"], o["final"])
+        for r, o in zip(runs, off, strict=True)
+    ]
     return {
         "final": statistics.mean(r["final"] for r in runs),
         "per_seed_final": [r["final"] for r in runs],
@@ -149,9 +163,7 @@ def summarise(runs: list[dict], off: list[dict]) -> dict[str, Any]:
         ),
         "rows": statistics.mean(r["rows"] for r in runs),
         "rows_ratio_per_seed": ratios,
-        "rows_ratio_geomean": math.exp(statistics.mean(math.log(x) for x in finite))
-        if finite
-        else None,  # fmt: skip
+        "rows_ratio_geomean": geomean(ratios),
         "prompts_skipped": statistics.mean(r["prompts_skipped"] for r in runs),
         "prompts_hinted": statistics.mean(r["prompts_hinted"] for r in runs),
     }
