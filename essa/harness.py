@@ -11,7 +11,8 @@ A recipe supplies its state, its step and its checkpoint contents; the harness o
   storage fault turned into one line that says what was kept;
 * progress phases (model load, SFT, held-out passes, each generation or step, export): one rich
   progress line per phase on the console, the same format for every recipe, and one record per
-  phase in ``phases.jsonl`` (``"event": "phase"``, start time, seconds, items done);
+  phase in ``phases.jsonl`` (``"event": "phase"``, start time, seconds, items done, the process's
+  peak RSS so far);
 * the held-out metric (``evaluation.metric``, :meth:`Harness.score`) and, at the baseline,
   every ``evaluation.every`` steps and the final evaluation, a few samples to read
   (``samples.jsonl``, truncated on resume like the metrics, and a compact console table);
@@ -207,6 +208,8 @@ class Reporter:
         if not phase.log or failed:
             return
         if self.log is not None:
+            from essa.backends.memory import peak_rss_mb  # torch is loaded by the first phase
+
             self.log.write(
                 {
                     "event": "phase",
@@ -216,6 +219,9 @@ class Reporter:
                     "done": phase.done,
                     "total": phase.total,
                     "unit": phase.unit,
+                    # The process peak so far: the first phase whose record reaches the run's
+                    # peak_rss_mb is the one that set it (SFT's backward or the search's forward).
+                    "peak_rss_mb": peak_rss_mb(),
                     **phase.fields,
                 }
             )

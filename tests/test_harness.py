@@ -165,6 +165,8 @@ def test_phase_prints_one_closing_line_and_writes_a_phase_record(tmp_path: Path)
     assert [r["phase"] for r in records] == ["held-out", "SFT"]
     assert all(r["event"] == "phase" and r["seconds"] >= 0 for r in records)
     assert records[1]["done"] == 3 and records[1]["total"] == 3 and records[1]["loss"] == 0.3
+    # the process peak so far, never falling: the phase that set a run's peak is readable
+    assert 0 < records[0]["peak_rss_mb"] <= records[1]["peak_rss_mb"]
 
 
 def test_phases_without_a_console_only_record(tmp_path: Path) -> None:
