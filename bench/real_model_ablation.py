@@ -122,7 +122,13 @@ def summarise(arm: list[dict], default: list[dict]) -> dict[str, Any]:
         "vs_default_se": math.sqrt(sum(d["se"] ** 2 for d in diffs)) / len(diffs),
         "wall_seconds": [r["summary"]["wall_seconds"] for r in arm],
         "peak_rss_mb": [r["summary"].get("peak_rss_mb") for r in arm],
+        "generations": [r["summary"].get("generations") for r in arm],  # done in the budget
     }
+
+
+def _mean_or_dash(values: list[float | None], spec: str) -> str:
+    known = [v for v in values if v is not None]
+    return format(statistics.mean(known), spec) if known else "-"
 
 
 def table(result: dict[str, Any]) -> str:
@@ -131,15 +137,16 @@ def table(result: dict[str, Any]) -> str:
     extra = " rows per point of gain | rows-to-threshold (per seed) | skipped | hinted |"
     lines = [
         "| arm | change | SFT | final | gain over SFT | gain per minute | "
-        f"vs {base} (paired SE) |" + (extra if signal else ""),
-        "|---|---|---|---|---|---|---|" + ("---|---|---|---|" if signal else ""),
+        f"vs {base} (paired SE) | generations | peak RSS MB |" + (extra if signal else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if signal else ""),
     ]
     for arm, s in result["summary"].items():
         change = ", ".join(f"`{c}`" for c in ARMS[arm]) or "(configs/smollm2.yaml)"
         vs = "-" if arm == base else f"{s['vs_default']:+.3f} ({s['vs_default_se']:.3f})"
         line = (
             f"| {arm} | {change} | {s['sft']:.3f} | {s['final']:.3f} | {s['gain_over_sft']:+.3f} "
-            f"| {s['gain_per_minute']:+.4f} | {vs} |"
+            f"| {s['gain_per_minute']:+.4f} | {vs} "
+            f"| {_mean_or_dash(s['generations'], '.1f')} | {_mean_or_dash(s['peak_rss_mb'], '.0f')} |"
         )
         if signal:
             per_gain = "-" if s["rows_per_gain"] is None else f"{s['rows_per_gain'] / 100:.0f}"

@@ -130,7 +130,7 @@ def test_ablation_arms_are_paired_with_the_default_of_their_seed() -> None:
             "scores": {"sft": sft, "final": final},
             "accuracy": {"sft": sum(sft) / len(sft), "final": sum(final) / len(final)},
             "essa_vs_sft": paired(final, sft),
-            "summary": {"wall_seconds": wall},
+            "summary": {"wall_seconds": wall, "generations": 30, "peak_rss_mb": wall * 5},
         }
 
     default = [run([0, 0, 1, 0], [1, 0, 1, 0], 600)]
@@ -141,6 +141,7 @@ def test_ablation_arms_are_paired_with_the_default_of_their_seed() -> None:
     text = ablation_table({"summary": {"default": summarise(default, default),
                                        "no_tie_breaker": s}})  # fmt: skip
     assert "| no_tie_breaker | `reward.reference_weight=0` | 0.250 | 0.750 | +0.500 |" in text
+    assert "| +0.250 (0.250) | 30.0 | 6000 |" in text  # generations, peak RSS (MB)
     assert ARMS["default"] == []
 
 
@@ -202,5 +203,5 @@ def test_real_model_signal_arms_count_rows_and_compare_with_their_baseline(tmp_p
                                                            "pool_greso": s}})  # fmt: skip
     assert "vs pool (paired SE)" in text
     assert "| pool_greso | `data.train_size=128`, `data.selection.name=greso` |" in text
-    assert "| +0.250 (0.250) | 1 | 2.00x (2.00) | 4 | 2 |" in text
+    assert "| +0.250 (0.250) | - | - | 1 | 2.00x (2.00) | 4 | 2 |" in text  # no summary counts
     assert ARMS["pool_greso"] == [*ARMS["pool"], "data.selection.name=greso"]
