@@ -46,8 +46,11 @@ ARMS: dict[str, list[str]] = {
     "start_sft": ["optimizer.start=sft"],  # the search starts at the SFT adapter itself
     "more_prompts": ["data.batch_size=64", "optimizer.population_size=8"],  # same rows
     "longer_sft": ["sft.steps=48"],
-    # Memory: 128 rows per forward instead of the population's 512 (peak RSS vs speed)
+    # Memory: 128 rows per forward instead of the population's 512 (peak RSS vs speed). The
+    # config ships 128 since this arm ran; the recorded default runs (essa-seed*) predate that
+    # and ran all 512 rows in one forward, which `one_forward` measures for new default runs.
     "small_micro_batch": ["evaluation.micro_batch_size=128"],
+    "one_forward": ["evaluation.micro_batch_size=1024"],
     # Hansen's escape from flat fitness: sigma x1.22 when the task reward ties the top 70%
     "escape_flat": ["optimizer.escape_flat_reward=true"],
     # Issue 21 on the real model: the per-prompt switches need prompts that come back, so these
