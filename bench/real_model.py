@@ -28,6 +28,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,12 @@ from bench.common import launch, write_result
 
 RESULTS = Path("bench/results")
 CONFIG = Path("configs/smollm2.yaml")
+# Finished commands' records, kept in the repository: the run directories under --root live on
+# one machine, and a paired comparison with an earlier arm needs that arm's per-item scores.
+# With --reuse, a command missing from --root is restored from here when its arguments and task
+# config are the same; every command run or reused is archived.
+ARCHIVE = RESULTS / "runs"
+RUN_FILES = ("config.yaml", "summary.json", "metrics.jsonl", "heldout_scores.jsonl", "phases.jsonl")
 # The table's no-search column: the scale baseline runs inside the timed ESSA run (about two
 # minutes of its 19), so the ESSA numbers here come from fewer generations than the shipped
 # config gets.
@@ -88,12 +95,61 @@ def reusable(done: Path, log: Path, reuse: bool) -> float | None:
     return float(log.with_suffix(".seconds").read_text())
 
 
-def timed(args: list[str], done: Path, log: Path, threads: int, reuse: bool) -> float:
-    """``essa ARGS`` unless ``--reuse`` finds it finished; its wall seconds, kept beside the log."""
+def archive_dir(log: Path) -> Path:
+    """Where a command's records are kept: ARCHIVE/<task>/<command name> (its log's stem)."""
+    return ARCHIVE / log.parent.name / log.stem
+
+
+def identity(args: list[str]) -> dict[str, Any]:
+    """What makes a command the same one: its arguments and its task config's text
+    (``essa train|eval CONFIG ...``)."""
+    return {"args": args, "config": Path(args[1]).read_text()}
+
+
+def archive(args: list[str], log: Path, seconds: float, keep: list[Path]) -> None:
+    """Copy a finished command's records (``keep``, a few hundred KB) into the repository."""
+    out = archive_dir(log)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in keep:
+        (out / path.name).write_bytes(path.read_bytes())
+    command = {**identity(args), "seconds": seconds, "files": [p.name for p in keep]}
+    (out / "command.json").write_text(json.dumps(command, indent=1) + "\n")
+
+
+def restore(args: list[str], log: Path, keep: list[Path]) -> float | None:
+    """The archived records of this very command put back where the command writes them; its
+    wall seconds, or None when none is archived or the archived one differs (arguments or
+    task config)."""
+    src = archive_dir(log)
+    if not (src / "command.json").exists():
+        return None
+    command = json.loads((src / "command.json").read_text())
+    if {k: command.get(k) for k in ("args", "config")} != identity(args):
+        print(f"[bench] {src} is another command's record: running it", flush=True)
+        return None
+    for path in keep:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes((src / path.name).read_bytes())
+    log.write_text(f"restored from {src}\n")
+    log.with_suffix(".seconds").write_text(f"{command['seconds']}\n")
+    print(f"[bench] restored {log.stem} from {src}", flush=True)
+    return float(command["seconds"])
+
+
+def timed(
+    args: list[str], done: Path, log: Path, threads: int, reuse: bool, keep: Sequence[Path] = ()
+) -> float:
+    """``essa ARGS`` unless ``--reuse`` finds it finished, in ``log``'s directory or in the
+    archive; its wall seconds, kept beside the log. A command run or reused with ``keep``
+    (its output files) is archived."""
     seconds = reusable(done, log, reuse)
+    if seconds is None and reuse and keep:
+        seconds = restore(args, log, list(keep))
     if seconds is None:
         seconds = essa(args, log, threads)
         log.with_suffix(".seconds").write_text(f"{seconds}\n")
+    if keep:
+        archive(args, log, seconds, list(keep))
     return seconds
 
 
@@ -102,8 +158,9 @@ def base_scores(
 ) -> dict[str, Any]:
     """Held-out per-item scores of the base model (no adapter)."""
     out = root / "base_eval.json"
+    keep = [out, root / "base_eval.items.jsonl"]
     seconds = timed(["eval", str(config), *sets(overrides), "--output", str(out)],
-                    out, root / "base_eval.log", threads, reuse)  # fmt: skip
+                    out, root / "base_eval.log", threads, reuse, keep)  # fmt: skip
     items = (root / "base_eval.items.jsonl").read_text().splitlines()
     return {"scores": [float(json.loads(x)["reward"] or 0.0) for x in items], "seconds": seconds}
 
@@ -149,7 +206,8 @@ def essa_seed(
     run_dir = root / f"{name}-seed{seed}"
     args = ["train", str(config), "--overwrite", "--run-dir", str(run_dir),
             "--set", f"run.seed={seed}", *sets(ESSA_SETS), *sets(overrides)]  # fmt: skip
-    wall = timed(args, run_dir / "summary.json", root / f"{name}-seed{seed}.log", threads, reuse)
+    log, keep = root / f"{name}-seed{seed}.log", [run_dir / f for f in RUN_FILES]
+    wall = timed(args, run_dir / "summary.json", log, threads, reuse, keep)
     summary = json.loads((run_dir / "summary.json").read_text())
     scores = passes(run_dir)
     margins = [
@@ -190,7 +248,8 @@ def grpo_seed(
             "--set", f"run.max_wall_seconds={budget}", "--set", "run.generations=1000",
             *sets(GRPO_SETS), *sets(overrides)]  # fmt: skip
     log = root / f"grpo-seed{essa_run['seed']}.log"
-    wall = timed(args, run_dir / "summary.json", log, threads, reuse)
+    keep = [run_dir / f for f in RUN_FILES]
+    wall = timed(args, run_dir / "summary.json", log, threads, reuse, keep)
     summary = json.loads((run_dir / "summary.json").read_text())
     scores = passes(run_dir)
     return {

@@ -205,3 +205,53 @@ def test_real_model_signal_arms_count_rows_and_compare_with_their_baseline(tmp_p
     assert "| pool_greso | `data.train_size=128`, `data.selection.name=greso` |" in text
     assert "| +0.250 (0.250) | - | - | 1 | 2.00x (2.00) | 4 | 2 |" in text  # no summary counts
     assert ARMS["pool_greso"] == [*ARMS["pool"], "data.selection.name=greso"]
+
+
+def test_reuse_restores_an_archived_command_only_when_it_is_the_same_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wiped --root: --reuse puts the archived records back instead of running again, unless
+    the arguments or the task config changed."""
+    import bench.real_model as rm
+
+    monkeypatch.setattr(rm, "ARCHIVE", tmp_path / "archive")
+    calls: list[list[str]] = []
+    config = tmp_path / "config.yaml"
+    config.write_text("data: {batch_size: 32}\n")
+    root = tmp_path / "runs" / "chain_sum"
+    run_dir, log = root / "essa-seed0", root / "essa-seed0.log"
+    keep = [run_dir / "summary.json", run_dir / "heldout_scores.jsonl"]
+
+    def fake_essa(args: list[str], log: Path, threads: int) -> float:
+        calls.append(args)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "summary.json").write_text(json.dumps({"run": len(calls)}))
+        (run_dir / "heldout_scores.jsonl").write_text('{"scores": [1.0, 0.0]}\n')
+        return 30.0 + len(calls)
+
+    monkeypatch.setattr(rm, "essa", fake_essa)
+    args = ["train", str(config), "--set", "run.seed=0"]
+    root.mkdir(parents=True)
+    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0
+    archived = tmp_path / "archive" / "chain_sum" / "essa-seed0"
+    assert json.loads((archived / "command.json").read_text())["seconds"] == 31.0
+    assert (archived / "heldout_scores.jsonl").read_text() == '{"scores": [1.0, 0.0]}\n'
+
+    for path in [*keep, log.with_suffix(".seconds")]:  # the machine is wiped
+        path.unlink()
+    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0  # restored, not run
+    assert len(calls) == 1
+    assert json.loads(keep[0].read_text()) == {"run": 1}
+    assert keep[1].read_text() == '{"scores": [1.0, 0.0]}\n'
+
+    for path in [*keep, log.with_suffix(".seconds")]:
+        path.unlink()
+    config.write_text("data: {batch_size: 64}\n")  # another task config: the record is not it
+    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 32.0
+    assert len(calls) == 2
+    assert json.loads((archived / "command.json").read_text())["config"] == config.read_text()
+    other = [*args, "--set", "optimizer.mirrored=false"]  # other arguments: run as well
+    for path in [*keep, log.with_suffix(".seconds")]:
+        path.unlink()
+    assert rm.timed(other, keep[0], log, 2, reuse=True, keep=keep) == 33.0
+    assert len(calls) == 3
