@@ -45,7 +45,10 @@ ARMS: dict[str, list[str]] = {
     "not_mirrored": ["optimizer.mirrored=false"],
     "start_sft": ["optimizer.start=sft"],  # the search starts at the SFT adapter itself
     "more_prompts": ["data.batch_size=64", "optimizer.population_size=8"],  # same rows
+    # SFT length. The config ships 48 steps since `longer_sft` ran against 24-step default runs
+    # (session 8); `short_sft` measures the 24 steps against default runs made from now on.
     "longer_sft": ["sft.steps=48"],
+    "short_sft": ["sft.steps=24"],
     # Memory: 128 rows per forward instead of the population's 512 (peak RSS vs speed). The
     # config ships 128 since this arm ran; the recorded default runs (essa-seed*) predate that
     # and ran all 512 rows in one forward, which `one_forward` measures for new default runs.
