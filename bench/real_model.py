@@ -28,6 +28,7 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -101,9 +102,32 @@ def archive_dir(log: Path) -> Path:
 
 
 def identity(args: list[str]) -> dict[str, Any]:
-    """What makes a command the same one: its arguments and its task config's text
+    """What a command is recorded as: its arguments and its task config's text
     (``essa train|eval CONFIG ...``)."""
     return {"args": args, "config": Path(args[1]).read_text()}
+
+
+def effective(args: list[str], config_text: str) -> dict[str, Any]:
+    """What makes two commands the same one: the config they run (the task config with its
+    ``--set`` overrides applied and defaults filled in, so comments, key order and a value set
+    twice do not count) and their other arguments, the run directory aside (it names the run,
+    it does not change it)."""
+    from essa.config import load_config, to_dict
+
+    overrides, rest, i = [], [], 2
+    while i < len(args):
+        if args[i] in ("--set", "--run-dir") and i + 1 < len(args):
+            if args[i] == "--set":
+                overrides.append(args[i + 1])
+            i += 2
+        else:
+            rest.append(args[i])
+            i += 1
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(config_text)
+        cfg = to_dict(load_config(path, overrides))
+    return {"command": args[0], "args": rest, "config": cfg}
 
 
 def archive(args: list[str], log: Path, seconds: float, keep: list[Path]) -> None:
@@ -116,17 +140,31 @@ def archive(args: list[str], log: Path, seconds: float, keep: list[Path]) -> Non
     (out / "command.json").write_text(json.dumps(command, indent=1) + "\n")
 
 
+def same_command(args: list[str], log: Path) -> Path | None:
+    """The archived record of this command: its own (ARCHIVE/<task>/<name>) or, under another
+    name, one of a command that ran the same config (an ablation arm that became the default);
+    None when there is none."""
+    own = archive_dir(log)
+    candidates = [own, *sorted(p for p in own.parent.glob("*") if p != own)]
+    mine = effective(args, Path(args[1]).read_text())
+    for src in candidates:
+        if not (src / "command.json").exists():
+            continue
+        command = json.loads((src / "command.json").read_text())
+        if effective(command["args"], command["config"]) == mine:
+            return src
+    if (own / "command.json").exists():
+        print(f"[bench] {own} is another command's record: running it", flush=True)
+    return None
+
+
 def restore(args: list[str], log: Path, keep: list[Path]) -> float | None:
     """The archived records of this very command put back where the command writes them; its
-    wall seconds, or None when none is archived or the archived one differs (arguments or
-    task config)."""
-    src = archive_dir(log)
-    if not (src / "command.json").exists():
+    wall seconds, or None when none is archived with the same config and arguments."""
+    src = same_command(args, log)
+    if src is None:
         return None
     command = json.loads((src / "command.json").read_text())
-    if {k: command.get(k) for k in ("args", "config")} != identity(args):
-        print(f"[bench] {src} is another command's record: running it", flush=True)
-        return None
     for path in keep:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes((src / path.name).read_bytes())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.real_model import paired, passes, pooled, table, task_config
+from bench.real_model import paired, passes, pooled, sets, table, task_config
 
 
 def test_passes_reads_every_held_out_pass(tmp_path: Path) -> None:
@@ -250,8 +250,59 @@ def test_reuse_restores_an_archived_command_only_when_it_is_the_same_one(
     assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 32.0
     assert len(calls) == 2
     assert json.loads((archived / "command.json").read_text())["config"] == config.read_text()
-    other = [*args, "--set", "optimizer.mirrored=false"]  # other arguments: run as well
+    other = [*args, "--set", "data.batch_size=16"]  # other arguments: run as well
     for path in [*keep, log.with_suffix(".seconds")]:
         path.unlink()
     assert rm.timed(other, keep[0], log, 2, reuse=True, keep=keep) == 33.0
     assert len(calls) == 3
+
+
+def test_reuse_restores_the_record_of_an_arm_that_ran_the_same_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ablation arm that became the default: a command whose task config now holds what the
+    arm set with --set (comments and run directory aside) is restored from the arm's record;
+    one that differs in any resolved value is run."""
+    import bench.real_model as rm
+
+    monkeypatch.setattr(rm, "ARCHIVE", tmp_path / "archive")
+    calls: list[list[str]] = []
+    root = tmp_path / "runs" / "chain_sum"
+
+    def fake_essa(args: list[str], log: Path, threads: int) -> float:
+        calls.append(args)
+        run_dir = Path(args[args.index("--run-dir") + 1])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "summary.json").write_text(
+            json.dumps({"run": args[args.index("--run-dir") + 1]})
+        )
+        return 40.0 + len(calls)
+
+    def command(name: str, *overrides: str) -> tuple[list[str], Path, list[Path]]:
+        args = [
+            "train",
+            str(config),
+            "--overwrite",
+            "--run-dir",
+            str(root / name),
+            *sets(overrides),
+        ]
+        return args, root / f"{name}.log", [root / name / "summary.json"]
+
+    monkeypatch.setattr(rm, "essa", fake_essa)
+    root.mkdir(parents=True)
+    config = tmp_path / "config.yaml"
+    config.write_text("# 24 steps\nsft: {steps: 24}\n")
+    args, log, keep = command("ablation-longer_sft-seed0", "sft.steps=48")
+    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 41.0
+
+    config.write_text("# 48 steps now\nsft: {steps: 48}\n")  # the arm became the default
+    args, log, keep = command("essa-seed0")
+    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 41.0  # restored, not run
+    assert len(calls) == 1
+    assert json.loads(keep[0].read_text()) == {"run": str(root / "ablation-longer_sft-seed0")}
+    assert (tmp_path / "archive" / "chain_sum" / "essa-seed0" / "command.json").exists()
+
+    args, log, keep = command("essa-seed1", "run.seed=1")  # another seed: run
+    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 42.0
+    assert len(calls) == 2
