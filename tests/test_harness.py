@@ -257,24 +257,43 @@ def test_grpo_sigint_checkpoints_exits_130_and_resumes_bit_exactly(tmp_path: Pat
 # --------------------------------------------------------------------------- demo bytes
 
 # sha256 of adapter/adapter_model.safetensors after `essa train --set run.generations=6` (the
-# demo config, seed 0), recorded before the harness refactor (commit 9379775) and after it.
-# Float kernels differ between CPUs and torch builds, so the hash is pinned for the platform it
-# was recorded on only; elsewhere the test is skipped with that reason.
-DEMO_SHA256 = "65caead42538d94f3502a06f648a0a4102a182a3eab498d6850e146234e29267"
-DEMO_PLATFORM = {"machine": "x86_64", "torch": "2.13"}
+# demo config, seed 0), with the held-out accuracies of that run, per numeric stack it was
+# recorded on. The bytes depend on the float kernels (CPU ISA, torch) and on the libraries that
+# compute the run (transformers, peft, numpy, cma): CI installs their newest releases, and
+# transformers 5.24 / peft 0.21.2 moved the bytes of stop 29's record while every accuracy stayed
+# the same. So the pin applies only on a recorded stack; on any other the test runs the demo
+# twice and asserts the bytes are reproducible there and that ESSA still lifts the demo.
+DEMO_RECORDS: dict[tuple[str, ...], tuple[str, tuple[float, float, float]]] = {
+    ("x86_64", "AVX2", "2.13.0+cpu", "5.24.0", "0.21.2", "2.4.6", "4.5.0"): (
+        "a4755030dfcd0946860415e5e75c1905c47854d42b043172e08782122475b1f4",
+        (0.598, 0.828, 0.863),
+    ),
+}
 
 
-@pytest.mark.slow
-def test_demo_adapter_bytes_unchanged_for_seed_0(tmp_path: Path) -> None:
-    import hashlib
+def _numeric_stack() -> tuple[str, ...]:
     import platform
 
+    import cma
+    import numpy
+    import peft
     import torch
+    import transformers
 
-    here = {"machine": platform.machine(), "torch": ".".join(torch.__version__.split(".")[:2])}
-    if here != DEMO_PLATFORM or torch.cuda.is_available():
-        pytest.skip(f"demo hash recorded on CPU {DEMO_PLATFORM}, this is {here}")
-    run_dir = tmp_path / "demo"
+    return (
+        platform.machine(),
+        torch.backends.cpu.get_cpu_capability(),
+        torch.__version__,
+        transformers.__version__,
+        peft.__version__,
+        numpy.__version__,
+        cma.__version__.split()[0],
+    )
+
+
+def _demo_run(run_dir: Path) -> tuple[str, tuple[float, float, float]]:
+    import hashlib
+
     res = subprocess.run(
         _cli(
             "train",
@@ -288,7 +307,29 @@ def test_demo_adapter_bytes_unchanged_for_seed_0(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr[-3000:]
     data = (run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
-    assert hashlib.sha256(data).hexdigest() == DEMO_SHA256
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert (summary["baseline_accuracy"], summary["final_accuracy"]) == (0.598, 0.828)
-    assert summary["scale_baseline"]["heldout_accuracy"] == 0.863
+    accuracies = (
+        summary["baseline_accuracy"],
+        summary["final_accuracy"],
+        summary["scale_baseline"]["heldout_accuracy"],
+    )
+    return hashlib.sha256(data).hexdigest(), accuracies
+
+
+@pytest.mark.slow
+def test_demo_adapter_bytes_unchanged_for_seed_0(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the demo record is for CPU kernels")
+    digest, accuracies = _demo_run(tmp_path / "demo")
+    record = DEMO_RECORDS.get(_numeric_stack())
+    if record is not None:
+        assert (digest, accuracies) == record
+        return
+    # Not a recorded stack: the run must still be bit-reproducible across processes here, and
+    # the 6 generations must still lift the demo well above its SFT start (recorded: +0.23).
+    again, accuracies_again = _demo_run(tmp_path / "again")
+    assert (again, accuracies_again) == (digest, accuracies), _numeric_stack()
+    baseline, final, _ = accuracies
+    assert final >= baseline + 0.1, (accuracies, _numeric_stack())
