@@ -140,10 +140,10 @@ def archive(args: list[str], log: Path, seconds: float, keep: list[Path]) -> Non
     (out / "command.json").write_text(json.dumps(command, indent=1) + "\n")
 
 
-def same_command(args: list[str], log: Path) -> Path | None:
-    """The archived record of this command: its own (ARCHIVE/<task>/<name>) or, under another
-    name, one of a command that ran the same config (an ablation arm that became the default);
-    None when there is none."""
+def same_command(args: list[str], log: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The archived record of this command and its ``command.json``: its own
+    (ARCHIVE/<task>/<name>) or, under another name, one of a command that ran the same config
+    (an ablation arm that became the default); None when there is none."""
     own = archive_dir(log)
     candidates = [own, *sorted(p for p in own.parent.glob("*") if p != own)]
     mine = effective(args, Path(args[1]).read_text())
@@ -152,7 +152,7 @@ def same_command(args: list[str], log: Path) -> Path | None:
             continue
         command = json.loads((src / "command.json").read_text())
         if effective(command["args"], command["config"]) == mine:
-            return src
+            return src, command
     if (own / "command.json").exists():
         print(f"[bench] {own} is another command's record: running it", flush=True)
     return None
@@ -161,10 +161,10 @@ def same_command(args: list[str], log: Path) -> Path | None:
 def restore(args: list[str], log: Path, keep: list[Path]) -> float | None:
     """The archived records of this very command put back where the command writes them; its
     wall seconds, or None when none is archived with the same config and arguments."""
-    src = same_command(args, log)
-    if src is None:
+    found = same_command(args, log)
+    if found is None:
         return None
-    command = json.loads((src / "command.json").read_text())
+    src, command = found
     for path in keep:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes((src / path.name).read_bytes())
@@ -269,6 +269,33 @@ def essa_seed(
     }
 
 
+def grpo_command(
+    config: Path, essa_run: dict, root: Path, overrides: list[str]
+) -> tuple[list[str], Path, list[Path]]:
+    """GRPO's ``essa`` arguments, log and kept records: from the ESSA run's own SFT adapter,
+    with the ESSA run's wall-clock as budget."""
+    run_dir = root / f"grpo-seed{essa_run['seed']}"
+    budget = int(essa_run["summary"]["wall_seconds"])
+    args = ["train", str(config), "--overwrite", "--run-dir", str(run_dir),
+            "--set", "algorithm=grpo", "--set", f"run.seed={essa_run['seed']}",
+            "--set", f"adapter.path={essa_run['summary']['sft_adapter_dir']}",
+            "--set", f"run.max_wall_seconds={budget}", "--set", "run.generations=1000",
+            *sets(GRPO_SETS), *sets(overrides)]  # fmt: skip
+    return args, root / f"grpo-seed{essa_run['seed']}.log", [run_dir / f for f in RUN_FILES]
+
+
+def grpo_needs_sft_adapter(
+    config: Path, essa_run: dict, root: Path, overrides: list[str], reuse: bool
+) -> bool:
+    """True when GRPO must run (nothing to reuse or restore) but the SFT adapter it starts
+    from is not on disk: the ESSA run was restored from the archive, which keeps no weights."""
+    if Path(essa_run["summary"]["sft_adapter_dir"]).exists():
+        return False
+    args, log, keep = grpo_command(config, essa_run, root, overrides)
+    finished = reusable(keep[0].parent / "summary.json", log, reuse) is not None
+    return not (finished or (reuse and same_command(args, log) is not None))
+
+
 def grpo_seed(
     config: Path,
     essa_run: dict,
@@ -278,15 +305,8 @@ def grpo_seed(
     reuse: bool = False,
 ) -> dict:
     """GRPO from the ESSA run's own SFT adapter, with the ESSA run's wall-clock as budget."""
-    run_dir = root / f"grpo-seed{essa_run['seed']}"
-    budget = int(essa_run["summary"]["wall_seconds"])
-    args = ["train", str(config), "--overwrite", "--run-dir", str(run_dir),
-            "--set", "algorithm=grpo", "--set", f"run.seed={essa_run['seed']}",
-            "--set", f"adapter.path={essa_run['summary']['sft_adapter_dir']}",
-            "--set", f"run.max_wall_seconds={budget}", "--set", "run.generations=1000",
-            *sets(GRPO_SETS), *sets(overrides)]  # fmt: skip
-    log = root / f"grpo-seed{essa_run['seed']}.log"
-    keep = [run_dir / f for f in RUN_FILES]
+    args, log, keep = grpo_command(config, essa_run, root, overrides)
+    run_dir = keep[0].parent
     wall = timed(args, run_dir / "summary.json", log, threads, reuse, keep)
     summary = json.loads((run_dir / "summary.json").read_text())
     scores = passes(run_dir)
@@ -324,6 +344,11 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
               f"{run['accuracy']['final']:.3f} ({p['gain']:+.3f}, paired SE {p['se']:.3f}), "
               f"{run['summary']['wall_seconds']:.0f} s", flush=True)  # fmt: skip
         runs.append(run)
+    with_grpo = args.grpo and task in (args.grpo_tasks or TASKS)
+    if with_grpo and grpo_needs_sft_adapter(config, runs[0], root, args.overrides, args.reuse):
+        print(f"[real_model] {task} seed {runs[0]['seed']}: the SFT adapter GRPO starts from is "
+              "not on disk (a restored run keeps no weights): essa train again ...", flush=True)  # fmt: skip
+        runs[0] = essa_seed(config, runs[0]["seed"], root, args.overrides, args.threads)
     result: dict[str, Any] = {
         "params": TASKS[task],
         "base_accuracy": statistics.mean(base["scores"]),
@@ -334,7 +359,7 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
         "essa_vs_sft_full_credit": pooled(runs, "essa_vs_sft_full_credit"),
         "essa_vs_base": [paired(r["scores"]["final"], base["scores"]) for r in runs],
     }
-    if args.grpo and task in (args.grpo_tasks or TASKS):
+    if with_grpo:
         print(f"[real_model] {task} seed {runs[0]['seed']}: grpo train ...", flush=True)
         grpo = grpo_seed(config, runs[0], root, args.overrides, args.threads, args.reuse)
         result["grpo"] = grpo

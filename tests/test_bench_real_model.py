@@ -306,3 +306,38 @@ def test_reuse_restores_the_record_of_an_arm_that_ran_the_same_config(
     args, log, keep = command("essa-seed1", "run.seed=1")  # another seed: run
     assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 42.0
     assert len(calls) == 2
+
+
+def test_grpo_reruns_essa_only_when_it_must_run_and_its_sft_adapter_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restored ESSA run keeps no weights: GRPO, which starts from its SFT adapter, needs the
+    ESSA run again, unless GRPO itself is finished or archived (then nothing runs)."""
+    import bench.real_model as rm
+
+    monkeypatch.setattr(rm, "ARCHIVE", tmp_path / "archive")
+    root = tmp_path / "runs" / "chain_sum"
+    root.mkdir(parents=True)
+    config = tmp_path / "config.yaml"
+    config.write_text("sft: {steps: 48}\n")
+    sft = root / "essa-seed0" / "sft_adapter"
+    essa_run = {"seed": 0, "summary": {"wall_seconds": 900.0, "sft_adapter_dir": str(sft)}}
+
+    assert rm.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=True)
+    assert rm.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=False)
+    sft.mkdir(parents=True)
+    assert not rm.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=True)
+    sft.rmdir()
+
+    args, log, keep = rm.grpo_command(config, essa_run, root, [])
+    assert f"adapter.path={sft}" in args
+    keep[0].parent.mkdir(parents=True)
+    for path in keep:
+        path.write_text("{}\n")
+    rm.archive(args, log, 300.0, keep)  # GRPO ran once and was archived ...
+    for path in keep:
+        path.unlink()  # ... then the machine was wiped: restorable, so no ESSA run is needed
+    assert not rm.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=True)
+    assert rm.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=False)
+    config.write_text("sft: {steps: 24}\n")  # another config: the record is not this GRPO
+    assert rm.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=True)
