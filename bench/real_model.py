@@ -1,7 +1,8 @@
 """ESSA on a real pretrained model: SmolLM2-135M-Instruct on reasoning-gym tasks, beside GRPO.
 
     python -m bench.real_model [--seeds 0 1 2] [--tasks chain_sum ...] [--no-grpo]
-                               [--grpo-tasks chain_sum ...] [--set k=v]
+                               [--grpo-tasks chain_sum ...] [--grpo-seeds 0 1 2]
+                               [--set k=v] [--reuse] [--out NAME]
 
 For each task (reasoning-gym generators and scorers; nobody here wrote them) this runs, each in
 a fresh process, from ``configs/smollm2.yaml`` with only the task swapped in:
@@ -11,12 +12,13 @@ a fresh process, from ``configs/smollm2.yaml`` with only the task swapped in:
   the adapter's singular values, the final held-out evaluation. Each run writes the per-item
   held-out scores of every pass (``heldout_scores.jsonl``), so the gains are tested *paired*
   on the same items: mean per-item difference and its standard error, per seed and pooled;
-* with GRPO (seed 0 only, on the ESSA run's own SFT adapter, data, reward and held-out items),
+* with GRPO (on the first seed, or on ``--grpo-seeds``; each on that seed's ESSA run's own SFT
+  adapter, data, reward and held-out items, ESSA - GRPO pooled over those seeds),
   ``algorithm: grpo`` with the same wall-clock budget: held-out accuracy against training
   seconds and generated tokens (``essa.compare``), and peak memory (RSS).
 
-Writes bench/results/real_model.json, real_model.md (the README table) and one
-real_model_<task>.png per task. Sizes come from the config: held-out items per task
+Writes bench/results/real_model.json, real_model.md (the README table; ``--out NAME`` writes
+NAME.json/.md instead) and one real_model_<task>.png per task (the first GRPO seed's). Sizes come from the config: held-out items per task
 (``--set data.test_size=N``), generations and the 20-minute budget (``run.max_wall_seconds``).
 Everything the runs print goes to <root>/<task>/*.log.
 """
@@ -330,6 +332,12 @@ def pooled(runs: list[dict], key: str) -> dict[str, float]:
             float("nan") for r in runs]}  # fmt: skip
 
 
+def grpo_seeds(args: argparse.Namespace) -> list[int]:
+    """The seeds GRPO runs beside ESSA on: ``--grpo-seeds``, by default the first of ``--seeds``
+    (a GRPO run costs as much as the ESSA run it is timed against)."""
+    return args.grpo_seeds if args.grpo_seeds else args.seeds[:1]
+
+
 def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.root) / task
     config = task_config(task, TASKS[task], root)
@@ -345,10 +353,13 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
               f"{run['summary']['wall_seconds']:.0f} s", flush=True)  # fmt: skip
         runs.append(run)
     with_grpo = args.grpo and task in (args.grpo_tasks or TASKS)
-    if with_grpo and grpo_needs_sft_adapter(config, runs[0], root, args.overrides, args.reuse):
-        print(f"[real_model] {task} seed {runs[0]['seed']}: the SFT adapter GRPO starts from is "
-              "not on disk (a restored run keeps no weights): essa train again ...", flush=True)  # fmt: skip
-        runs[0] = essa_seed(config, runs[0]["seed"], root, args.overrides, args.threads)
+    grpo_at = [i for i, r in enumerate(runs) if r["seed"] in grpo_seeds(args)] if with_grpo else []
+    for i in grpo_at:
+        if grpo_needs_sft_adapter(config, runs[i], root, args.overrides, args.reuse):
+            print(f"[real_model] {task} seed {runs[i]['seed']}: the SFT adapter GRPO starts from "
+                  "is not on disk (a restored run keeps no weights): essa train again ...",
+                  flush=True)  # fmt: skip
+            runs[i] = essa_seed(config, runs[i]["seed"], root, args.overrides, args.threads)
     result: dict[str, Any] = {
         "params": TASKS[task],
         "base_accuracy": statistics.mean(base["scores"]),
@@ -359,11 +370,15 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
         "essa_vs_sft_full_credit": pooled(runs, "essa_vs_sft_full_credit"),
         "essa_vs_base": [paired(r["scores"]["final"], base["scores"]) for r in runs],
     }
-    if with_grpo:
-        print(f"[real_model] {task} seed {runs[0]['seed']}: grpo train ...", flush=True)
-        grpo = grpo_seed(config, runs[0], root, args.overrides, args.threads, args.reuse)
-        result["grpo"] = grpo
-        plot_task(task, runs[0], grpo, RESULTS / f"real_model_{task}.png")
+    grpo_runs = []
+    for i in grpo_at:
+        print(f"[real_model] {task} seed {runs[i]['seed']}: grpo train ...", flush=True)
+        grpo_runs.append(grpo_seed(config, runs[i], root, args.overrides, args.threads, args.reuse))
+    if grpo_runs:
+        result["grpo"] = grpo_runs[0]  # the first GRPO seed: the plot's
+        result["grpo_runs"] = grpo_runs
+        result["essa_vs_grpo"] = pooled(grpo_runs, "essa_vs_grpo")
+        plot_task(task, runs[grpo_at[0]], grpo_runs[0], RESULTS / f"real_model_{task}.png")
     for run in runs:  # per-item scores stay in the run directories
         run.pop("scores")
     return result
@@ -403,6 +418,27 @@ def mean_accuracy(runs: list[dict], key: str) -> float | None:
     return None if None in values else statistics.mean(v for v in values if v is not None)
 
 
+def grpo_cells(t: dict[str, Any]) -> tuple[str, str]:
+    """The table's GRPO cells: GRPO's final held-out and ESSA - GRPO paired on each GRPO seed's
+    items (pooled over those seeds), and the peak RSS of ESSA and GRPO (means over the same
+    seeds); "-" without GRPO. A result of one GRPO seed (older records) reads as before."""
+    if "grpo" not in t:
+        return "-", "-"
+    grpo_runs = t.get("grpo_runs", [t["grpo"]])
+    diff = t.get("essa_vs_grpo", t["grpo"]["essa_vs_grpo"])
+    final = statistics.mean(g["accuracy"]["final"] for g in grpo_runs)
+    seeds = f", {len(grpo_runs)} seeds" if len(grpo_runs) > 1 else ""
+    grpo = f"{final:.3f} (ESSA {diff['gain']:+.3f} ± {diff['se']:.3f}{seeds})"
+    essa_by_seed = {r.get("seed"): r for r in t["essa"]}
+    pairs = [(essa_by_seed[g.get("seed")]["summary"].get("peak_rss_mb"),
+              g["summary"].get("peak_rss_mb")) for g in grpo_runs]  # fmt: skip
+    if not all(e and g for e, g in pairs):
+        return grpo, "-"
+    e_mem = statistics.mean(e for e, _ in pairs)
+    g_mem = statistics.mean(g for _, g in pairs)
+    return grpo, f"{e_mem:.0f} / {g_mem:.0f} MB ({e_mem / g_mem:.2f}x)"
+
+
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| task | base | SFT | scale baseline | ESSA | ESSA - SFT (paired SE) | gain / SE "
@@ -416,15 +452,7 @@ def table(result: dict[str, Any]) -> str:
         wall = statistics.median(r["summary"]["wall_seconds"] for r in t["essa"])
         p = t["essa_vs_sft"]
         z = ", ".join(f"{v:.1f}" for v in p["per_seed_z"])
-        grpo, mem = "-", "-"
-        if "grpo" in t:
-            g = t["grpo"]
-            grpo = f"{g['accuracy']['final']:.3f} (ESSA {g['essa_vs_grpo']['gain']:+.3f} ± "
-            grpo += f"{g['essa_vs_grpo']['se']:.3f})"
-            e_mem = t["essa"][0]["summary"].get("peak_rss_mb")
-            g_mem = g["summary"].get("peak_rss_mb")
-            if e_mem and g_mem:
-                mem = f"{e_mem:.0f} / {g_mem:.0f} MB ({e_mem / g_mem:.2f}x)"
+        grpo, mem = grpo_cells(t)
         strict = "-"
         if "essa_vs_sft_full_credit" in t:
             f = t["essa_vs_sft_full_credit"]
@@ -451,6 +479,13 @@ def main() -> None:
         default=None,
         help="run GRPO beside ESSA on these tasks only (default: every task)",
     )
+    parser.add_argument(
+        "--grpo-seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="run GRPO on these of --seeds (default: the first)",
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
@@ -460,14 +495,19 @@ def main() -> None:
         "seconds) and run only the missing ones, e.g. more seeds later",
     )
     parser.add_argument("--root", default="runs/bench-real-model")
+    parser.add_argument(
+        "--out",
+        default="real_model",
+        help="write bench/results/OUT.json and OUT.md (a partial run keeps the main table)",
+    )
     args = parser.parse_args()
     result: dict[str, Any] = {"config": str(CONFIG), "overrides": args.overrides, "tasks": {}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     for task in args.tasks:
         result["tasks"][task] = run_task(task, args)
     command = "python -m bench.real_model " + " ".join(sys.argv[1:])
-    write_result("real_model", result, command.strip())
-    (RESULTS / "real_model.md").write_text(table(result) + "\n")
+    write_result(args.out, result, command.strip())
+    (RESULTS / f"{args.out}.md").write_text(table(result) + "\n")
     print(table(result))
 
 

@@ -77,6 +77,42 @@ def test_table_row_from_a_result() -> None:
     assert "0.220 (ESSA +0.040 ± 0.020)" in row and "3000 / 6000 MB (0.50x)" in row
 
 
+def test_table_pools_grpo_over_its_seeds_and_pairs_memory_by_seed() -> None:
+    """GRPO on two seeds: its mean final, ESSA - GRPO pooled over those seeds, and the peak RSS
+    of each GRPO run beside the ESSA run of its own seed (seed 2's ESSA has no GRPO)."""
+    import argparse
+
+    from bench.real_model import grpo_seeds, pooled
+
+    def essa(seed: int, rss: float) -> dict:
+        acc = {"sft": 0.2, "scale": 0.2, "final": 0.3}
+        return {
+            "seed": seed,
+            "accuracy": acc,
+            "summary": {"wall_seconds": 900.0, "peak_rss_mb": rss},
+        }
+
+    def grpo(seed: int, final: float, gain: float, se: float, rss: float) -> dict:
+        return {"seed": seed, "accuracy": {"final": final}, "summary": {"peak_rss_mb": rss},
+                "essa_vs_grpo": {"gain": gain, "se": se}}  # fmt: skip
+
+    grpo_runs = [grpo(0, 0.26, 0.04, 0.03, 8000.0), grpo(1, 0.30, 0.00, 0.04, 6000.0)]
+    t = {
+        "base_accuracy": 0.04,
+        "essa": [essa(0, 2000.0), essa(1, 1000.0), essa(2, 9000.0)],
+        "essa_vs_sft": {"gain": 0.1, "se": 0.01, "z": 10.0, "per_seed_z": [10.0] * 3},
+        "grpo": grpo_runs[0],
+        "grpo_runs": grpo_runs,
+        "essa_vs_grpo": pooled(grpo_runs, "essa_vs_grpo"),
+    }
+    row = table({"tasks": {"chain_sum": t}}).splitlines()[-1]
+    # mean final (0.26 + 0.30) / 2; gain (0.04 + 0) / 2, SE sqrt(0.03² + 0.04²) / 2 = 0.025
+    assert "| 0.280 (ESSA +0.020 ± 0.025, 2 seeds) |" in row
+    assert "| 1500 / 7000 MB (0.21x) |" in row  # seeds 0 and 1 only: 9000 MB is not GRPO's pair
+    assert grpo_seeds(argparse.Namespace(grpo_seeds=None, seeds=[3, 4])) == [3]
+    assert grpo_seeds(argparse.Namespace(grpo_seeds=[0, 1], seeds=[0, 1, 2])) == [0, 1]
+
+
 def test_grpo_options_summary_pairs_each_option_with_plain_grpo_of_its_seed() -> None:
     from bench.grpo_options import OPTIONS, summarise
     from bench.grpo_options import table as options_table
