@@ -56,6 +56,15 @@ def test_missing_gguf_file_is_a_user_error(tmp_path: Path) -> None:
         load_model(ModelConfig(name_or_path=str(tmp_path), gguf_file="missing.gguf"))
 
 
+def _global_draws() -> tuple[list[float], list[float], float]:
+    import random
+
+    import numpy as np
+    import torch
+
+    return torch.rand(4).tolist(), np.random.rand(4).tolist(), random.random()
+
+
 @pytest.mark.slow
 def test_gguf_converts_once_then_loads_the_cached_checkpoint(tmp_path, monkeypatch) -> None:
     directory = smollm2_dir()
@@ -65,17 +74,24 @@ def test_gguf_converts_once_then_loads_the_cached_checkpoint(tmp_path, monkeypat
     from essa.backends import gguf_cache
     from essa.backends.hf import load_model, resolve_model_path
     from essa.config import ModelConfig
+    from essa.recipes import common
 
     monkeypatch.setenv("ESSA_CACHE", str(tmp_path / "cache"))
     conversions = []
     convert = gguf_cache._convert
     monkeypatch.setattr(gguf_cache, "_convert", lambda *a: (conversions.append(a), convert(*a)))
     cfg = ModelConfig(name_or_path=str(directory), gguf_file=GGUF)
+    common.seed_everything(0)
     model, tokenizer = load_model(cfg)
+    first_draws = _global_draws()
     cached = gguf_cache.cache_dir_for((directory / GGUF).resolve())
     assert (cached / "model.safetensors").is_file() and (cached / gguf_cache.MARKER).is_file()
     assert tokenizer.eos_token == "<|im_end|>"  # the chat model's own stop token survives
+    common.seed_everything(0)
     again, _ = load_model(cfg)
+    # A run seeds before it loads: converting must leave the global RNGs as loading from the
+    # cache does, or the first run on a fresh cache trains differently from later ones.
+    assert first_draws == _global_draws()
     # The wheel's alias resolves to the same cached directory.
     assert resolve_model_path("builtin:smollm2-135m-instruct") == str(cached)
     assert len(conversions) == 1
