@@ -338,6 +338,13 @@ def grpo_seeds(args: argparse.Namespace) -> list[int]:
     return args.grpo_seeds if args.grpo_seeds else args.seeds[:1]
 
 
+def report(task: str, run: dict) -> None:
+    p = run["essa_vs_sft"]
+    print(f"[real_model] {task} seed {run['seed']}: SFT {run['accuracy']['sft']:.3f} -> ESSA "
+          f"{run['accuracy']['final']:.3f} ({p['gain']:+.3f}, paired SE {p['se']:.3f}), "
+          f"{run['summary']['wall_seconds']:.0f} s", flush=True)  # fmt: skip
+
+
 def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.root) / task
     config = task_config(task, TASKS[task], root)
@@ -346,12 +353,8 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
     runs = []
     for seed in args.seeds:
         print(f"[real_model] {task} seed {seed}: essa train ...", flush=True)
-        run = essa_seed(config, seed, root, args.overrides, args.threads, args.reuse)
-        p = run["essa_vs_sft"]
-        print(f"[real_model] {task} seed {seed}: SFT {run['accuracy']['sft']:.3f} -> ESSA "
-              f"{run['accuracy']['final']:.3f} ({p['gain']:+.3f}, paired SE {p['se']:.3f}), "
-              f"{run['summary']['wall_seconds']:.0f} s", flush=True)  # fmt: skip
-        runs.append(run)
+        runs.append(essa_seed(config, seed, root, args.overrides, args.threads, args.reuse))
+        report(task, runs[-1])
     with_grpo = args.grpo and task in (args.grpo_tasks or TASKS)
     grpo_at = [i for i, r in enumerate(runs) if r["seed"] in grpo_seeds(args)] if with_grpo else []
     for i in grpo_at:
@@ -360,6 +363,7 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
                   "is not on disk (a restored run keeps no weights): essa train again ...",
                   flush=True)  # fmt: skip
             runs[i] = essa_seed(config, runs[i]["seed"], root, args.overrides, args.threads)
+            report(task, runs[i])
     result: dict[str, Any] = {
         "params": TASKS[task],
         "base_accuracy": statistics.mean(base["scores"]),
