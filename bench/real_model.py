@@ -18,8 +18,9 @@ a fresh process, from ``configs/smollm2.yaml`` with only the task swapped in:
   seconds and generated tokens (``essa.compare``), and peak memory (RSS).
 
 Writes bench/results/real_model.json, real_model.md (the README table; ``--out NAME`` writes
-NAME.json/.md instead) and one real_model_<task>.png per task (the first GRPO seed's). Sizes come from the config: held-out items per task
-(``--set data.test_size=N``), generations and the 20-minute budget (``run.max_wall_seconds``).
+NAME.json/.md instead) and one real_model_<task>.png per task (the first GRPO seed's). Sizes
+come from the config: held-out items per task (``--set data.test_size=N``), generations and the
+20-minute budget (``run.max_wall_seconds``).
 Everything the runs print goes to <root>/<task>/*.log.
 """
 
@@ -356,7 +357,8 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
         runs.append(essa_seed(config, seed, root, args.overrides, args.threads, args.reuse))
         report(task, runs[-1])
     with_grpo = args.grpo and task in (args.grpo_tasks or TASKS)
-    grpo_at = [i for i, r in enumerate(runs) if r["seed"] in grpo_seeds(args)] if with_grpo else []
+    wanted = grpo_seeds(args) if with_grpo else []
+    grpo_at = [i for i, r in enumerate(runs) if r["seed"] in wanted]
     for i in grpo_at:
         if grpo_needs_sft_adapter(config, runs[i], root, args.overrides, args.reuse):
             print(f"[real_model] {task} seed {runs[i]['seed']}: the SFT adapter GRPO starts from "

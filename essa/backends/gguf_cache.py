@@ -116,10 +116,12 @@ def _global_rng_kept() -> Iterator[None]:
     import torch
 
     py_state, np_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        yield
-    random.setstate(py_state)
-    np.random.set_state(np_state)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:  # also when the conversion fails, like fork_rng does for torch
+        random.setstate(py_state)
+        np.random.set_state(np_state)
 
 
 def _convert(path: Path, out: Path) -> None:
