@@ -267,6 +267,9 @@ def evaluate(
     metric, reward = heldout_metric(cfg)
     check_heldout_answers(metric, task.test)
     model, tokenizer = load_model(cfg.model)
+    from essa.recipes.common import resolve_lengths
+
+    cfg, _ = resolve_lengths(cfg, tokenizer, task, lambda line: typer.echo(line, err=True))
     if adapter is not None:
         if not (adapter / "adapter_config.json").exists():
             raise UserError(
@@ -369,7 +372,7 @@ def export(
         raise UserError(f"{run_dir}: not a run directory (no config.yaml)")
     if merged.exists() and not overwrite:
         raise UserError(f"{merged} exists; pass --overwrite to replace it")
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = _with_run_lengths(load_config(run_dir / "config.yaml"), run_dir)
     result = export_merged(cfg, adapter or run_dir / "adapter", merged)
     if result.note:
         typer.echo(f"note: {result.note}", err=True)
@@ -378,6 +381,20 @@ def export(
         f"load it with AutoModelForCausalLM.from_pretrained({str(result.out_dir)!r}) "
         f"or serve it: vllm serve {result.out_dir}"
     )
+
+
+def _with_run_lengths(cfg: Config, run_dir: Path) -> Config:
+    """``cfg`` with generation.max_new_tokens as the run resolved it (auto -> its summary's)."""
+    import dataclasses
+
+    summary = run_dir / "summary.json"
+    if cfg.generation.max_new_tokens != "auto" or not summary.is_file():
+        return cfg
+    resolved = json.loads(summary.read_text()).get("max_new_tokens")
+    if not isinstance(resolved, int):
+        return cfg
+    gen = dataclasses.replace(cfg.generation, max_new_tokens=resolved)
+    return dataclasses.replace(cfg, generation=gen)
 
 
 @app.command()

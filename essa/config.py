@@ -168,12 +168,22 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    max_new_tokens: int = 256  # room for a short chain of thought (demo: 8, "a+b=" answers)
+    # auto: the longest reference answer in tokens, its stop token and a slack (essa.plan);
+    # demo: 8 ("a+b=" answers)
+    max_new_tokens: int | Literal["auto"] = "auto"
     temperature: float = 0.0  # 0 = greedy (the project default: all variation from parameters)
     top_p: float = 1.0
     # ESSA: completions per (candidate, prompt), sampled under common random numbers; group
     # rewards (TTRL majority vote, EMPO) vote among a candidate's k samples of a prompt.
     samples_per_prompt: int = 1
+
+    @property
+    def new_tokens(self) -> int:
+        """``max_new_tokens`` once resolved (``essa.plan.resolve_lengths`` turns auto into the
+        task's number before anything generates)."""
+        if self.max_new_tokens == "auto":
+            raise RuntimeError("generation.max_new_tokens is still auto: resolve it first")
+        return self.max_new_tokens
 
 
 # Rewards that compare a completion with the reference: the only held-out metrics (registered
@@ -203,6 +213,9 @@ class RunConfig:
     generations: int = 150
     seed: int = 0
     max_wall_seconds: float | None = None  # stop before a generation would end past this budget
+    # ESSA (HF backend) with max_wall_seconds: size SFT, held-out checks, the scaled start and
+    # prompts per generation so that the search gets most of the budget (essa.plan)
+    plan: bool = True
     show_progress: bool = True
     # Experiment trackers, any subset (none by default; [track] extra), all offline-safe.
     report_to: tuple[Literal["tensorboard", "wandb", "trackio"], ...] = ()
@@ -602,7 +615,9 @@ def check_values(cfg: Config) -> None:
         "optimizer.sigma0": cfg.optimizer.sigma0,
         "adapter.rank": cfg.adapter.rank,
         "data.batch_size": cfg.data.batch_size,
-        "generation.max_new_tokens": cfg.generation.max_new_tokens,
+        "generation.max_new_tokens": (
+            1 if cfg.generation.max_new_tokens == "auto" else cfg.generation.max_new_tokens
+        ),
         "evaluation.micro_batch_size": cfg.evaluation.micro_batch_size,
         "sft.batch_size": cfg.sft.batch_size,
     }
@@ -814,7 +829,7 @@ def _check_layer_sampling(cfg: Config) -> None:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
 
 
-def _check_grpo(g: GRPOConfig, max_new_tokens: int) -> None:
+def _check_grpo(g: GRPOConfig, max_new_tokens: int | str) -> None:
     if g.group_size < 2:
         raise ConfigError(f"grpo.group_size: must be >= 2 (a group baseline), got {g.group_size}")
     positive = {
@@ -842,7 +857,7 @@ def _check_grpo(g: GRPOConfig, max_new_tokens: int) -> None:
         raise ConfigError(f"grpo.epsilon_low: must be in [0, 1), got {g.epsilon_low}")
     _check_grpo_extensions(g)
     _check_prime(g)
-    if g.overlong_buffer > max_new_tokens:
+    if isinstance(max_new_tokens, int) and g.overlong_buffer > max_new_tokens:
         raise ConfigError(
             f"grpo.overlong_buffer: {g.overlong_buffer} exceeds generation.max_new_tokens "
             f"({max_new_tokens})"

@@ -148,6 +148,10 @@ class Reporter:
         self.log = log
         self.bar: Any = None  # one rich Progress for all open phases (rich allows one live view)
         self._open_phases = 0
+        # A budgeted run's plan (essa.plan): phase name -> planned seconds, and the seconds
+        # the phases of that name actually took, for phases.jsonl and the summary.
+        self.planned: dict[str, float] = {}
+        self.actual: dict[str, float] = {}
 
     def say(self, text: str) -> None:
         if self.console is not None:
@@ -207,6 +211,10 @@ class Reporter:
                 self.bar.remove_task(phase._task)
         if not phase.log or failed:
             return
+        self.actual[phase.name] = self.actual.get(phase.name, 0.0) + seconds
+        planned = (
+            {"planned_seconds": self.planned[phase.name]} if phase.name in self.planned else {}
+        )
         if self.log is not None:
             from essa.backends.memory import peak_rss_mb  # torch is loaded by the first phase
 
@@ -222,6 +230,7 @@ class Reporter:
                     # The process peak so far: the first phase whose record reaches the run's
                     # peak_rss_mb is the one that set it (SFT's backward or the search's forward).
                     "peak_rss_mb": peak_rss_mb(),
+                    **planned,
                     **phase.fields,
                 }
             )
@@ -446,7 +455,13 @@ class Harness:
         self, *, baseline: float, final: float, steps: int, adapter_dir: Path, **extra: Any
     ) -> JSONDict:
         """The summary fields every recipe reports; ``extra`` adds the recipe's own."""
+        planned = self.reporter.planned
+        plan_vs_actual = {
+            name: {"planned": seconds, "actual": round(self.reporter.actual.get(name, 0.0), 1)}
+            for name, seconds in planned.items()
+        }
         return {
+            **({"phases": plan_vs_actual} if planned else {}),
             "baseline_accuracy": baseline,
             "final_accuracy": final,
             "improvement": final - baseline,

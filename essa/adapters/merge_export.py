@@ -37,7 +37,8 @@ def generation_config(gen: GenerationConfig, tokenizer: Any) -> Any:
         do_sample=sampling,
         temperature=gen.temperature if sampling else None,
         top_p=gen.top_p if sampling else None,
-        max_new_tokens=gen.max_new_tokens,
+        # auto is resolved per run (essa.plan): the run's summary holds the number it used
+        max_new_tokens=gen.max_new_tokens if isinstance(gen.max_new_tokens, int) else None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,

@@ -363,7 +363,7 @@ def generate_texts(
         if picking:
             picker = RowPicker(
                 stop - start,
-                gen.max_new_tokens,
+                gen.new_tokens,
                 temperature=gen.temperature if crn else 0.0,
                 top_p=gen.top_p,
                 seeds=None if seeds is None else seeds[start:stop],
@@ -574,7 +574,7 @@ def prefix_states(
 
 def _generate_kwargs(gen: GenerationConfig, tokenizer: Any, stops: list[int]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
-        "max_new_tokens": gen.max_new_tokens,
+        "max_new_tokens": gen.new_tokens,
         "pad_token_id": tokenizer.pad_token_id,
         # The union, not the tokenizer's EOS alone: that would replace the model's stop list.
         "eos_token_id": stops or None,

@@ -255,7 +255,7 @@ class VLLMEvaluator:
 
         gen = self.cfg.generation
         common: dict[str, Any] = {
-            "max_tokens": gen.max_new_tokens,
+            "max_tokens": gen.new_tokens,
             "logprobs": 0,  # the sampled token's log-prob only
             "detokenize": False,  # decoded by the HF tokenizer, as on the HF backend
             "stop_token_ids": self.stop_ids,

@@ -41,12 +41,14 @@ def scale_baseline(
     prompts: list[str],
     reward: Reward,
     seed: int,
-    heldout: Callable[[AdapterVector], float],
+    heldout: Callable[[AdapterVector], float] | None,
     progress: RowProgress | None = None,
     samples: int = 1,
     comm: Comm | None = None,
+    prompts_used: int = SCALE_PROMPTS,
 ) -> dict[str, float] | None:
-    """Score SCALE_FACTORS on up to SCALE_PROMPTS training prompts; the best one's held-out.
+    """Score SCALE_FACTORS on up to ``prompts_used`` training prompts; the best one's held-out
+    score when ``heldout`` is given (a budgeted run's start needs only the factor).
 
     Under MPI the factors are sharded across ranks like a population (every rank busy); only
     their fitness (and a population pool's answer keys) is gathered, so the choice is the
@@ -58,7 +60,7 @@ def scale_baseline(
     comm = comm or LocalComm()
 
     rng = np.random.default_rng(np.random.SeedSequence([seed, 3]))
-    idx = rng.choice(len(train), size=min(SCALE_PROMPTS, len(train)), replace=False)
+    idx = rng.choice(len(train), size=min(prompts_used, len(train)), replace=False)
     batch = [prompts[i] for i in idx]
     answers = [train[i].answer for i in idx]
     population = np.stack([scale_vector(adapter, f) for f in SCALE_FACTORS])  # (8, D)
@@ -76,16 +78,21 @@ def scale_baseline(
     if np.all(np.isnan(fitness)):  # the reward failed everywhere: no baseline to report
         return None
     best = int(np.nanargmax(fitness))
-    return {
+    result = {
         "factor": SCALE_FACTORS[best],
         "train_fitness": float(fitness[best]),
-        "heldout_accuracy": heldout(population[best]),
+        "prompts": len(batch),
     }
+    if heldout is not None:
+        result["heldout_accuracy"] = heldout(population[best])
+    return result
 
 
-def scale_rows(train: list[Example], rank: int = 0, world_size: int = 1) -> int:
+def scale_rows(
+    train: list[Example], rank: int = 0, world_size: int = 1, prompts: int = SCALE_PROMPTS
+) -> int:
     """Rows (candidate x prompt completions) the scale baseline generates on ``rank``."""
     from essa.dist import shard
 
     mine = shard(len(SCALE_FACTORS), rank, world_size)
-    return (mine.stop - mine.start) * min(SCALE_PROMPTS, len(train))
+    return (mine.stop - mine.start) * min(prompts, len(train))

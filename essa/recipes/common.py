@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +20,9 @@ if TYPE_CHECKING:
     from essa.adapters.svd import SVDAdapter
     from essa.dist import Comm
     from essa.harness import Harness, Reporter
+    from essa.plan import TaskLengths
     from essa.protocols import Optimizer
+    from essa.recipes.sft import SFTLimit
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,22 @@ def render_splits(task: Task, data: DataConfig, tokenizer: Any) -> tuple[list[st
     )
 
 
+def resolve_lengths(
+    cfg: Config, tokenizer: Any, task: Task, say: Callable[[str], None]
+) -> tuple[Config, TaskLengths]:
+    """``cfg`` with ``generation.max_new_tokens: auto`` resolved on the model's tokenizer from
+    the task's references (SFT targets); a fixed value too short for them is one warning."""
+    from essa.plan import reference_texts
+    from essa.plan import resolve_lengths as resolve
+
+    examples = (task.sft + task.train)[:512]
+    prompts = render_prompts(examples, cfg.data.template, tokenizer, cfg.data.system_prompt)
+    cfg, lengths, warning = resolve(cfg, tokenizer, prompts, reference_texts(examples))
+    if warning:
+        say(warning)
+    return cfg, lengths
+
+
 def seed_everything(seed: int) -> None:
     """Seed global RNGs once, for third-party code; our own code passes explicit generators."""
     random.seed(seed)
@@ -117,8 +135,10 @@ def load_or_train_adapter(
     task: Task,
     run_dir: Path,
     reporter: Reporter | None = None,
+    limit: SFTLimit | None = None,
 ) -> tuple[Any, str]:
-    """Return (peft_model, adapter_dir): the configured adapter, a saved SFT one, or a new SFT."""
+    """Return (peft_model, adapter_dir): the configured adapter, a saved SFT one, or a new SFT
+    (within ``limit``'s time and check when given: a budgeted run, essa.plan)."""
     from essa.harness import Reporter
     from essa.recipes.sft import check_target_modules, make_lora_model, save_adapter, train_sft
 
@@ -150,18 +170,24 @@ def load_or_train_adapter(
             cfg.sft,
             cfg.run.seed,
             progress=lambda fields: bar.advance(1, **fields),
+            limit=limit,
         )
     if losses:
+        why = (
+            ""
+            if limit is None or limit.stopped == "steps"
+            else f" (stopped on its {limit.stopped})"
+        )
         reporter.say(
-            f"SFT: {cfg.sft.steps} steps on {len(task.sft)} examples, "
-            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+            f"SFT: {len(losses)} steps on {len(task.sft)} examples, "
+            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{why}"
         )
     out = save_adapter(peft_model, run_dir / "sft_adapter")
     return peft_model, str(out)
 
 
 def adapter_on_every_rank(
-    cfg: Config, model: Any, tokenizer: Any, task: Task, h: Harness
+    cfg: Config, model: Any, tokenizer: Any, task: Task, h: Harness, limit: SFTLimit | None = None
 ) -> tuple[Any, str]:
     """Rank 0 loads or trains (and saves) the adapter; then the other ranks load the saved one.
 
@@ -169,7 +195,7 @@ def adapter_on_every_rank(
     replica bit-identical singular values even where training is not deterministic (GPU kernels).
     """
     if h.is_root:
-        loaded = load_or_train_adapter(cfg, model, tokenizer, task, h.run_dir, h.reporter)
+        loaded = load_or_train_adapter(cfg, model, tokenizer, task, h.run_dir, h.reporter, limit)
     h.comm.barrier()
     if not h.is_root:
         if cfg.adapter.path is None and not (h.run_dir / "sft_adapter").is_dir():

@@ -177,7 +177,7 @@ def branched_rollout(
     rng = np.random.default_rng(np.random.SeedSequence([seed, 1]))
     positions, found = choose_critical(entropy, candidates, g.cure.top_k_tokens, rng)
     ids, attention = branch_contexts(originals, positions, tokenizer.pad_token_id)
-    budgets = cfg.generation.max_new_tokens - positions  # (N * n1,) the trajectory's room
+    budgets = cfg.generation.new_tokens - positions  # (N * n1,) the trajectory's room
     branch_seed = int(np.random.SeedSequence([seed, 2]).generate_state(1)[0])
     branches = rollout_from_ids(
         policy,

@@ -70,6 +70,7 @@ def run(
     reward = None if pairs else load_reward(cfg.reward, recipe="DPO", groups=True, deadline=False)
     with h:
         model, tokenizer = common.load_base_model(cfg, h)
+        cfg, _ = common.resolve_lengths(cfg, tokenizer, task, h.say)
         base_bytes = model_bytes(model)
         peft_model, sft_dir = common.load_or_train_adapter(
             cfg, model, tokenizer, task, run_dir, h.reporter

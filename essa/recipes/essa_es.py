@@ -33,6 +33,7 @@ from essa.config import Config
 from essa.dist import Comm
 from essa.harness import Harness, Phase, read_json_checkpoint, write_json_checkpoint
 from essa.protocols import Evaluator, Optimizer
+from essa.recipes.budget import Budget
 from essa.recipes.fitness import (
     check_generation,
     fault_counts,
@@ -82,21 +83,29 @@ def run(
     with h:  # the trackers close whatever happens
         model, tokenizer = common.load_base_model(cfg, h)
         base_bytes = model_bytes(model)  # the base weights as stored (quantised ones packed)
-        peft_model, sft_dir = common.adapter_on_every_rank(cfg, model, tokenizer, task, h)
+        cfg, lengths = common.resolve_lengths(cfg, tokenizer, task, h.say)
+        train_prompts, test_prompts = common.render_splits(task, cfg.data, tokenizer)
+        budget = Budget.start(cfg, h, resume, lengths, model, tokenizer, task, train_prompts)
+        peft_model, sft_dir = common.adapter_on_every_rank(
+            cfg, model, tokenizer, task, h, budget.sft_limit(cfg, tokenizer, task)
+        )
         adapter = common.svd_adapter(peft_model, cfg.adapter.alpha)
         base = None if vllm else peft_model.unload()  # the engine loads its own copy of the base
         del model, peft_model
         evaluator = population_evaluator(cfg, base, tokenizer, adapter, h.comm.world_size)
         evaluator.record_logprobs = COMPLETION_LOGPROBS in reward.needs  # type: ignore[attr-defined]
-        train_prompts, test_prompts = common.render_splits(task, cfg.data, tokenizer)
         heldout = functools.partial(_heldout, h, evaluator, task.test, test_prompts)
-        build = functools.partial(_optimizer, cfg, adapter)
+        # A resumed run's optimizer has the population its plan gave it (plan.json).
+        build = functools.partial(_optimizer, budget.adopt(cfg, h, None), adapter)
         opt, loaded = _load_checkpoint(run_dir, build) if resume else (None, None)
         state = h.restore(loaded, done=opt.generation if opt is not None else 0)
         if state is None:
-            state = _initial_state(cfg, h, evaluator, adapter, task, train_prompts, reward, heldout)
+            state = _initial_state(
+                cfg, h, evaluator, adapter, task, train_prompts, reward, heldout, budget
+            )
             h.log(_baseline_record(state, adapter.dim, memory_metrics(base_bytes)))
-        opt = opt if opt is not None else build(state.get("scale_baseline"))
+        cfg = budget.adopt(cfg, h, state)  # the planned candidates and prompts per generation
+        opt = opt if opt is not None else _optimizer(cfg, adapter, state.get("scale_baseline"))
         informative = _informative(cfg, tokenizer, state.get("informative"))
         h.say(
             f"ESSA: D={adapter.dim} singular-value offsets, population "
@@ -122,10 +131,12 @@ def run(
                 state["informative"] = informative.state_dict()
             track_best(state, population, fitness)
             if h.due(g, cfg.evaluation.every):
-                record["heldout_accuracy"] = heldout(opt.mean, generation=g)
+                record["heldout_accuracy"] = heldout(opt.mean, generation=g, items=budget.items)
+            state["search_seconds"] = state.get("search_seconds", 0.0) + record["seconds"]
             state["elapsed"] = h.elapsed
             step.finish(record, lambda: _save_checkpoint(run_dir, opt, state))
         state.update(test_size=len(task.test), model_bytes=base_bytes, elapsed=h.elapsed)
+        state["max_new_tokens"] = cfg.generation.new_tokens
         return _finish(cfg, h, adapter, opt, state, heldout, sft_dir)
 
 
@@ -138,14 +149,18 @@ def _heldout(
     name: str = "held-out",
     generation: int | None = None,
     final: bool = False,
+    items: int | None = None,
 ) -> float:
     """Held-out score of ``vector`` (never fed back); samples with ``generation``.
 
     Every rank calls it and generates its shard of the held-out prompts; only per-item scores
-    are gathered, so the score is that of one rank (the same sum in the same order).
+    are gathered, so the score is that of one rank (the same sum in the same order). ``items``:
+    the first ``items`` of the split only (a budgeted run's checks during the search).
     """
     from essa.dist import shard
 
+    if items is not None:
+        examples, prompts = examples[:items], prompts[:items]
     if not examples:
         return float("nan")
     part = shard(len(prompts), h.comm.rank, h.comm.world_size)
@@ -227,18 +242,27 @@ def _initial_state(
     train_prompts: list[str],
     reward: Reward,
     heldout: Heldout,
+    budget: Budget,
 ) -> dict[str, Any]:
-    """Fresh-run state: the SFT adapter's held-out accuracy and the no-search baseline."""
+    """Fresh-run state: the SFT adapter's held-out accuracy and the no-search baseline (and,
+    in a budgeted run, the plan re-made with the baseline pass's measured cost)."""
     from essa.recipes.baselines import scale_baseline, scale_rows
 
+    start = time.perf_counter()
     state: dict[str, Any] = {
         "baseline_accuracy": heldout(np.zeros(adapter.dim), "held-out baseline", -1),
         "best_fitness": None,
         "best_vector": None,
         "elapsed": 0.0,
     }
+    budget.remeasure(cfg, h, time.perf_counter() - start, len(task.test), len(task.train))
+    if budget.plan is not None:
+        state["plan"] = budget.plan.as_dict()
     if cfg.evaluation.use_scale_baseline or cfg.optimizer.start == "scale_baseline":
-        rows = scale_rows(task.train, h.comm.rank, h.comm.world_size)
+        n = budget.start_prompts
+        rows = scale_rows(task.train, h.comm.rank, h.comm.world_size, n)
+        # A budgeted run reports the chosen factor's held-out score only when asked to.
+        report = budget.plan is None or cfg.evaluation.use_scale_baseline
         with h.phase("scale baseline", rows, unit="rows") as bar:
             state["scale_baseline"] = scale_baseline(
                 evaluator,
@@ -247,10 +271,11 @@ def _initial_state(
                 train_prompts,
                 reward,
                 cfg.run.seed,
-                lambda x: heldout(x, "scale baseline held-out"),
+                (lambda x: heldout(x, "scale baseline held-out")) if report else None,
                 progress=bar.advance,
                 samples=cfg.generation.samples_per_prompt,
                 comm=h.comm,
+                prompts_used=n,
             )
     return state
 
@@ -336,10 +361,15 @@ def _finish(
     final = heldout(vector, "final held-out", opt.generation, final=True)
     if not h.is_root:
         return {}
+    if "generations" in h.reporter.planned:  # the loop's phase also holds its held-out checks
+        h.reporter.actual["generations"] = state.get("search_seconds", 0.0)
     adapter_dir = h.run_dir / "adapter"
     with h.phase("export"):
         adapter.export_peft(vector, adapter_dir, base_model_name_or_path=cfg.model.name_or_path)
     summary = h.summary(
+        max_new_tokens=state.get("max_new_tokens"),
+        plan=state.get("plan"),
+        search_seconds=round(state.get("search_seconds", 0.0), 2),
         baseline=state["baseline_accuracy"],
         final=final,
         steps=opt.generation,
@@ -352,7 +382,7 @@ def _finish(
         test_size=state["test_size"],
         **memory_metrics(state["model_bytes"]),
     )
-    if summary["scale_baseline"]:
+    if summary["scale_baseline"] and "heldout_accuracy" in summary["scale_baseline"]:
         scale = summary["scale_baseline"]
         h.say(
             f"no-search baseline (SFT adapter x{scale['factor']:g}, chosen on training "

@@ -103,6 +103,7 @@ def run(
         )
     with h:  # the trackers close whatever happens
         model, tokenizer = common.load_base_model(cfg, h)
+        cfg, _ = common.resolve_lengths(cfg, tokenizer, task, h.say)
         base_bytes = model_bytes(model)  # the base weights as stored, as ESSA reports them
         peft_model, sft_dir = common.load_or_train_adapter(
             cfg, model, tokenizer, task, run_dir, h.reporter
@@ -374,7 +375,7 @@ def _score(
     rewards = torch.tensor([math.nan if s is None else float(s) for s in scores])  # (B,)
     if cfg.grpo.overlong_buffer:
         lengths = out.mask.sum(-1)  # (B,)
-        max_length = cfg.generation.max_new_tokens
+        max_length = cfg.generation.new_tokens
         rewards = rewards + losses.soft_overlong_punishment(
             lengths, max_length, cfg.grpo.overlong_buffer
         )
@@ -456,7 +457,7 @@ def train_step(
     mask = batch.mask * adv.keep[group_index, slot][:, None]  # (B, T)
     if variant.use_truncation_mask:
         mask = mask * ~batch.truncated[:, None]  # overlong filtering (spec §5.4a)
-    counts = losses.step_counts(mask, group_index, cfg.generation.max_new_tokens)
+    counts = losses.step_counts(mask, group_index, cfg.generation.new_tokens)
     for param_group in optimizer.param_groups:
         param_group["lr"] = g.lr * lr_factor(step, cfg)
     if prime is not None:  # PRIME: token advantages (B, T) from the implicit PRM, which learns

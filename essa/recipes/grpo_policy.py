@@ -192,7 +192,7 @@ def rollout_from_ids(
     model = policy.model
     device = next(model.parameters()).device
     batch = {"input_ids": input_ids, "attention_mask": attention_mask}
-    max_new_tokens = cfg.generation.max_new_tokens if budgets is None else int(budgets.max())
+    max_new_tokens = cfg.generation.new_tokens if budgets is None else int(budgets.max())
     # The tokenizer's EOS and the model's own end-of-turn ids (essa/backends/stops.py), as ESSA
     # stops: with EOS alone a chat model's rows would all run to max_new_tokens.
     stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))

@@ -77,6 +77,7 @@ def run(
     sources = load_sources(cfg, task)  # before the model loads
     with h:
         model, tokenizer = common.load_base_model(cfg, h)
+        cfg, _ = common.resolve_lengths(cfg, tokenizer, task, h.say)
         base_bytes = model_bytes(model)
         models = _Models.build(cfg, model)
         data = _Data.build(cfg, task, sources, tokenizer)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,32 @@ def encode_sft_batch(
     return {"input_ids": input_ids, "attention_mask": mask, "labels": label_t}
 
 
+@dataclass
+class SFTLimit:
+    """A budgeted SFT (essa.plan): at most ``seconds`` of wall-clock, and a loss check on
+    ``check`` (training examples, never held-out ones) every few steps that stops SFT once it
+    no longer improves. ``stopped`` says why SFT ended ("steps", "time" or "check")."""
+
+    seconds: float
+    check: Sequence[Example]
+    check_prompts: Sequence[str]
+    checks: int = 6  # loss checks over sft.steps
+    patience: int = 2  # checks without improvement before SFT stops
+    stopped: str = "steps"
+    steps_done: int = 0
+    check_losses: list[float] = field(default_factory=list)
+
+    def every(self, steps: int) -> int:
+        return max(1, steps // self.checks)
+
+    def improved(self) -> bool:
+        """False once the last ``patience`` checks are all above the best one before them."""
+        losses = self.check_losses
+        if len(losses) <= self.patience:
+            return True
+        return min(losses[-self.patience :]) < min(losses[: -self.patience])
+
+
 def train_sft(
     peft_model: Any,
     tokenizer: Any,
@@ -75,10 +102,14 @@ def train_sft(
     cfg: SFTConfig,
     seed: int,
     progress: Callable[[dict[str, float]], None] | None = None,
+    limit: SFTLimit | None = None,
 ) -> list[float]:
     """Run ``cfg.steps`` AdamW steps on mini-batches drawn without replacement per epoch.
 
-    Returns the loss per step; ``progress`` gets each step's loss, lr and tokens/s.
+    Returns the loss per step; ``progress`` gets each step's loss, lr and tokens/s. With
+    ``limit``, SFT also stops at its time limit (the cosine schedule's horizon is cut to the
+    steps that fit, from the first steps' time, so the rate still decays to zero) or when its
+    check loss stops improving.
     """
     if not examples:
         raise UserError(
@@ -92,12 +123,17 @@ def train_sft(
     device = next(peft_model.parameters()).device
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, _cosine(cfg.steps, cfg.lr_warmup_steps))
+    horizon = [cfg.steps]  # the schedule's length; a time limit may cut it after two steps
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, _cosine(horizon, cfg.lr_warmup_steps))
     rng = np.random.default_rng(np.random.SeedSequence([seed, 1]))
     order: list[int] = []
     losses: list[float] = []
+    step_seconds: list[float] = []
+    began = time.perf_counter()
     peft_model.train()
-    for _ in range(cfg.steps):
+    for step in range(cfg.steps):
+        if step >= horizon[0]:
+            break
         start = time.perf_counter()
         if len(order) < cfg.batch_size:
             order.extend(rng.permutation(len(examples)).tolist())
@@ -113,19 +149,78 @@ def train_sft(
         lr = float(sched.get_last_lr()[0])  # the rate this step used
         sched.step()
         losses.append(loss.item())
+        step_seconds.append(time.perf_counter() - start)
         if progress is not None:
             tokens = int(batch["attention_mask"].sum())
-            seconds = time.perf_counter() - start
-            progress({"loss": losses[-1], "lr": lr, "tokens/s": round(tokens / seconds, 1)})
+            progress(
+                {"loss": losses[-1], "lr": lr, "tokens/s": round(tokens / step_seconds[-1], 1)}
+            )
+        if limit is not None and _check_limit(
+            limit, step, horizon, step_seconds, began, cfg.steps, peft_model, tokenizer, cfg
+        ):
+            break
+    if limit is not None:
+        limit.steps_done = len(losses)
     peft_model.eval()
     return losses
 
 
-def _cosine(total: int, warmup: int) -> Any:
+def _check_limit(
+    limit: SFTLimit,
+    step: int,
+    horizon: list[int],
+    step_seconds: list[float],
+    began: float,
+    steps: int,
+    peft_model: Any,
+    tokenizer: Any,
+    cfg: SFTConfig,
+) -> bool:
+    """After ``step``: cut the horizon to the time limit (once two steps are timed) and run the
+    loss check when due; True when SFT should stop now because the check stopped improving."""
+    if step == 1:
+        # The first step pays one-off costs; the second is the steady rate.
+        left = limit.seconds - (time.perf_counter() - began)
+        fit = step + 1 + int(max(0.0, left) / max(step_seconds[1], 1e-9))
+        if fit < horizon[0]:
+            horizon[0] = fit
+            limit.stopped = "time"
+    if step >= 1 and time.perf_counter() - began > limit.seconds and step + 1 < horizon[0]:
+        limit.stopped = "time"  # steps grew slower than the first ones: stop at the limit
+        return True
+    if not limit.check or (step + 1) % limit.every(steps) or step + 1 >= horizon[0]:
+        return False
+    loss = check_loss(peft_model, tokenizer, limit.check, limit.check_prompts, cfg.max_length)
+    limit.check_losses.append(loss)
+    peft_model.train()
+    if limit.improved():
+        return False
+    limit.stopped = "check"
+    return True
+
+
+def check_loss(
+    peft_model: Any,
+    tokenizer: Any,
+    examples: Sequence[Example],
+    prompts: Sequence[str],
+    max_length: int,
+) -> float:
+    """Mean token loss of the targets of ``examples`` (forward only, eval mode)."""
+    peft_model.eval()
+    batch = encode_sft_batch(tokenizer, examples, prompts, max_length)
+    device = next(peft_model.parameters()).device
+    with torch.no_grad():
+        return float(peft_model(**{k: v.to(device) for k, v in batch.items()}).loss)
+
+
+def _cosine(horizon: list[int], warmup: int) -> Any:
+    """Cosine decay to zero over ``horizon[0]`` steps (read at each step: it may be cut)."""
+
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        frac = (step - warmup) / max(1, total - warmup)
+        frac = (step - warmup) / max(1, horizon[0] - warmup)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
 
     return factor

@@ -1,0 +1,364 @@
+"""The run's budget plan: the task measured on the model's tokenizer, a timed probe, and every
+phase sized so that the search gets most of ``run.max_wall_seconds``.
+
+An ESSA run spends its wall-clock in phases (model load, SFT, the SFT adapter's held-out pass,
+the scaled start, held-out checks during the search, the generations; the final held-out pass
+and the export come after the budget). A config tuned on one task sizes them by hand; on a task
+with 3x longer prompts the same sizes leave the search one generation. The plan, made before
+SFT, reads what the task costs on this machine and sizes what may be sized:
+
+* ``generation.max_new_tokens: auto``: the longest reference answer in tokens plus the stop
+  token and a slack (:func:`auto_max_new_tokens`); a fixed value shorter than the references is
+  one warning with the numbers (:func:`length_warning`);
+* SFT: at most ``sft.steps`` steps and at most :data:`SFT_SHARE` of the budget, stopping early
+  when its check loss on training prompts (never the held-out split) stops improving;
+* held-out checks during the search: a fixed subsample of the held-out split (the final pass
+  and the SFT adapter's keep the whole split), together at most :data:`CHECKS_SHARE`;
+* the scaled start (``optimizer.start: scale_baseline``): its training prompts bounded so that
+  it takes at most :data:`START_SHARE`;
+* prompts, then candidates per generation: lowered until :data:`TARGET_GENERATIONS`
+  generations fit, prompts down to half of ``data.batch_size`` and candidates down to half of
+  ``optimizer.population_size`` at most.
+
+A budget that holds fewer than :data:`USEFUL_GENERATIONS` generations at the smallest sizes is
+refused in one line before SFT. The per-row cost comes from a probe (greedy rows of the
+training prompts on the base model, timed) and is measured again on the SFT adapter's held-out
+pass, where the population machinery runs; the sizes that come after that pass are re-planned
+with the measured cost. Plan and actual seconds per phase go to phases.jsonl and the summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from essa.config import Config
+from essa.errors import UserError
+
+SFT_SHARE = 0.15  # SFT stops at this share of the budget at the latest
+START_SHARE = 0.05  # the scaled start's rows
+CHECKS_SHARE = 0.05  # all held-out checks during the search together
+TARGET_GENERATIONS = 20  # prompts per generation shrink until this many fit ...
+MIN_PROMPT_SHARE = 0.5  # ... but never below this share of data.batch_size, then candidates
+MIN_POPULATION_SHARE = 0.5  # shrink, never below this share of optimizer.population_size
+USEFUL_GENERATIONS = 10  # fewer at the smallest sizes: the budget is refused before SFT
+MIN_CHECK_ITEMS = 32  # a held-out check during the search scores at least this many items
+MIN_START_PROMPTS = 16  # the scaled start's factors are compared on at least this many prompts
+AUTO_TOKEN_CAP = 1024  # generation.max_new_tokens: auto never exceeds this
+PROBE_ROWS = 16  # greedy rows the probe times (after one untimed warm-up row)
+SFT_CHECK_ITEMS = 32  # training examples whose loss checks SFT (never held-out ones)
+SFT_CHECKS = 6  # loss checks over sft.steps (every steps // SFT_CHECKS steps)
+SFT_PATIENCE = 2  # checks without improvement before SFT stops
+SFT_BACKWARD_FACTOR = 3.0  # a training step costs about 3 forwards (forward + backward)
+
+
+@dataclass(frozen=True)
+class TaskLengths:
+    """Token counts of the task on the model's tokenizer (prompts as rendered)."""
+
+    prompt_mean: float  # rendered prompt tokens, mean
+    prompt_max: int
+    shared_prefix: int  # tokens every prompt starts with (a system prompt, a chat header)
+    reference_mean: float  # reference answer (SFT target) tokens, mean
+    reference_max: int
+    references_over: int = 0  # references longer than a fixed max_new_tokens leaves room for
+    references: int = 0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dataclasses.asdict(self)
+
+
+def measure_task(tokenizer: Any, prompts: Sequence[str], references: Sequence[str]) -> TaskLengths:
+    """Lengths of ``prompts`` (rendered) and ``references`` (what SFT teaches the model to
+    write after a prompt) in tokens, as generation and SFT tokenise them."""
+    from essa.backends.hf import shared_prefix_length
+
+    p = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    r = tokenizer(list(references), add_special_tokens=False)["input_ids"]
+    return TaskLengths(
+        prompt_mean=round(statistics.fmean(len(x) for x in p), 1),
+        prompt_max=max(len(x) for x in p),
+        shared_prefix=shared_prefix_length(p),
+        reference_mean=round(statistics.fmean(len(x) for x in r), 1),
+        reference_max=max(len(x) for x in r),
+        references=len(r),
+    )
+
+
+def auto_max_new_tokens(lengths: TaskLengths) -> int:
+    """Room for the longest reference, its stop token, and a slack for a candidate that words
+    it slightly longer (an eighth of it, at least 2 tokens); at most :data:`AUTO_TOKEN_CAP`."""
+    slack = max(2, lengths.reference_max // 8)
+    return min(AUTO_TOKEN_CAP, lengths.reference_max + 1 + slack)
+
+
+def length_warning(max_new_tokens: int, reference_lengths: Sequence[int]) -> str | None:
+    """One line when a fixed ``max_new_tokens`` cannot hold some references and their stop."""
+    over = [n for n in reference_lengths if n + 1 > max_new_tokens]
+    if not over:
+        return None
+    share = len(over) / len(reference_lengths)
+    return (
+        f"warning: generation.max_new_tokens={max_new_tokens} cannot hold {share:.0%} of the "
+        f"reference answers with their stop token (longest {max(over)} tokens + 1): those "
+        "completions are cut and score 0; use generation.max_new_tokens: auto or raise it "
+        f"to at least {max(over) + 1}"
+    )
+
+
+def reference_texts(examples: Sequence[Any], limit: int = 512) -> list[str]:
+    """What the model learns to write after a prompt: each example's SFT target."""
+    return [ex.target for ex in list(examples)[:limit]]
+
+
+def resolve_lengths(
+    cfg: Config, tokenizer: Any, prompts: Sequence[str], references: Sequence[str]
+) -> tuple[Config, TaskLengths, str | None]:
+    """``cfg`` with ``generation.max_new_tokens`` resolved (auto -> a number), the lengths it
+    came from, and a warning line when a fixed value is too short for the references."""
+    lengths = measure_task(tokenizer, prompts, references)
+    gen = cfg.generation
+    if gen.max_new_tokens == "auto":
+        gen = dataclasses.replace(gen, max_new_tokens=auto_max_new_tokens(lengths))
+        return dataclasses.replace(cfg, generation=gen), lengths, None
+    ids = tokenizer(list(references), add_special_tokens=False)["input_ids"]
+    counts = [len(x) for x in ids]
+    lengths = dataclasses.replace(
+        lengths, references_over=sum(n + 1 > gen.max_new_tokens for n in counts)
+    )
+    return cfg, lengths, length_warning(int(gen.max_new_tokens), counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs and the plan
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds measured on this machine (the slowest rank's under MPI)."""
+
+    row: float  # one greedy row of a training prompt, generated to its end, in a micro-batch
+    sft_step: float  # one SFT step (estimated from the probe's forward until SFT runs)
+    spent: float  # seconds of the run before the plan (model load, probe)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The sizes a run uses and the seconds each phase is expected to take."""
+
+    budget: float
+    max_new_tokens: int
+    sft_steps: int  # at most; SFT may stop earlier on its check or its time
+    sft_seconds: float  # SFT's time limit
+    check_items: int  # held-out items of each check during the search
+    checks: int  # held-out checks during the search
+    start_prompts: int  # the scaled start's training prompts (0: no scaled start)
+    population: int  # candidates per generation
+    prompts: int  # prompts per generation
+    generations: int  # generations expected to fit
+    seconds: dict[str, float] = field(default_factory=dict)  # phase -> expected seconds
+    lengths: dict[str, float | int] = field(default_factory=dict)
+    costs: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def search_share(self) -> float:
+        return self.seconds.get("generations", 0.0) / self.budget if self.budget else 0.0
+
+    def lines(self) -> list[str]:
+        """The plan as the console prints it: one line of sizes, one of seconds."""
+        sizes = (
+            f"plan: {self.generations} generations of {self.population} candidates x "
+            f"{self.prompts} prompts in "
+            f"{self.budget:.0f} s (search {self.search_share():.0%}); max_new_tokens "
+            f"{self.max_new_tokens}; SFT up to {self.sft_steps} steps / "
+            f"{self.sft_seconds:.0f} s; held-out checks on {self.check_items} items"
+        )
+        if self.start_prompts:
+            sizes += f"; scaled start on {self.start_prompts} prompts"
+        phases = ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
+        return [sizes, f"plan seconds: {phases}"]
+
+
+def probe_costs(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    cfg: Config,
+    spent: float,
+    sft_tokens: float,
+) -> Costs:
+    """Time :data:`PROBE_ROWS` greedy rows of ``prompts`` on ``model`` at the run's lengths.
+
+    ``sft_tokens``: tokens of one SFT batch (prompt + target), for the step estimate.
+    """
+    import torch
+
+    from essa.backends.hf import generate_texts
+
+    gen = dataclasses.replace(cfg.generation, temperature=0.0)
+    rows = [prompts[i % len(prompts)] for i in range(PROBE_ROWS)]
+    with torch.no_grad():
+        generate_texts(model, tokenizer, rows[:1], gen, micro_batch_size=1)  # warm-up
+        start = time.perf_counter()
+        _, new_tokens = generate_texts(
+            model,
+            tokenizer,
+            rows,
+            gen,
+            micro_batch_size=cfg.evaluation.micro_batch_size,
+            use_prefix_cache=cfg.evaluation.use_prefix_cache,
+        )
+        seconds = time.perf_counter() - start
+    row = seconds / len(rows)
+    # A step's tokens cost about SFT_BACKWARD_FACTOR forwards; the probe's tokens per second
+    # (prompt + generated, per row) stand for the forward rate.
+    ids = tokenizer(rows, add_special_tokens=False)["input_ids"]
+    probe_tokens = sum(len(x) for x in ids) + new_tokens
+    rate = probe_tokens / seconds if seconds > 0 else math.inf
+    return Costs(row=row, sft_step=SFT_BACKWARD_FACTOR * sft_tokens / rate, spent=spent)
+
+
+def make_plan(
+    cfg: Config,
+    costs: Costs,
+    *,
+    test_items: int,
+    train_items: int,
+    world_size: int = 1,
+    lengths: TaskLengths | None = None,
+    done: Collection[str] = (),
+    strict: bool = True,
+) -> Plan:
+    """Size the phases of an ESSA run to ``run.max_wall_seconds`` (see the module docstring).
+
+    Rows split evenly over ``world_size`` ranks. ``done``: phases already run (their seconds
+    are in ``costs.spent``): "SFT" (or an adapter given), "held-out baseline". ``strict``:
+    a budget that cannot hold :data:`USEFUL_GENERATIONS` generations at the smallest sizes is
+    a UserError (before SFT); otherwise the smallest sizes are planned.
+    """
+    budget = float(cfg.run.max_wall_seconds or 0.0)
+    args = (cfg, costs, test_items, train_items, world_size, lengths, done)
+    plan = _sized(budget, *args)
+    useful = min(USEFUL_GENERATIONS, cfg.run.generations)
+    if strict and plan.generations < useful:
+        # The shares grow with the budget: find the smallest one that holds a useful search.
+        low, high = budget, max(2 * budget, 60.0)
+        while _sized(high, *args).generations < useful:
+            low, high = high, 2 * high
+        while high - low > 1:
+            mid = (low + high) / 2
+            low, high = (low, mid) if _sized(mid, *args).generations >= useful else (mid, high)
+        s = plan.seconds
+        raise UserError(
+            f"run.max_wall_seconds: {budget:g} s holds {plan.generations} generations of "
+            f"{plan.population} candidates x {plan.prompts} prompts after model load "
+            f"{s['model load']:.0f} s, SFT {s['SFT']:.0f} s, the held-out baseline "
+            f"{s['held-out baseline']:.0f} s on {test_items} items, the scaled start "
+            f"{s['scale baseline']:.0f} s and held-out checks {s['held-out']:.0f} s; a useful "
+            f"search needs {useful}: raise it to at least {math.ceil(high)} s, or lower "
+            "data.test_size or generation.max_new_tokens"
+        )
+    return plan
+
+
+def _sized(
+    budget: float,
+    cfg: Config,
+    costs: Costs,
+    test_items: int,
+    train_items: int,
+    world_size: int,
+    lengths: TaskLengths | None,
+    done: Collection[str],
+) -> Plan:
+    from essa.recipes.baselines import SCALE_FACTORS, SCALE_PROMPTS
+
+    row = costs.row / world_size  # seconds per row of the whole run (ranks in parallel)
+    o, d, e = cfg.optimizer, cfg.data, cfg.evaluation
+    samples = cfg.generation.samples_per_prompt
+    sft_steps = 0 if "SFT" in done or cfg.adapter.path is not None else cfg.sft.steps
+    sft = min(sft_steps * costs.sft_step, SFT_SHARE * budget)
+    baseline = 0.0 if "held-out baseline" in done else test_items * row
+    start_prompts = 0
+    if o.start == "scale_baseline" or e.use_scale_baseline:
+        fit = int(START_SHARE * budget / (len(SCALE_FACTORS) * samples * row))
+        start_prompts = min(train_items, SCALE_PROMPTS, max(MIN_START_PROMPTS, fit))
+    start = start_prompts * len(SCALE_FACTORS) * samples * row
+    checks = cfg.run.generations // e.every if e.every else 0
+    check_items = test_items
+    if checks:
+        fit = int(CHECKS_SHARE * budget / (checks * row))
+        check_items = min(test_items, max(MIN_CHECK_ITEMS, fit))
+    held_out = checks * check_items * row
+    fixed = costs.spent + sft + baseline + start + held_out
+    search = budget - fixed
+
+    def generation(size: tuple[int, int]) -> float:
+        return size[0] * size[1] * samples * row
+
+    sizes = generation_sizes(o.population_size, min(d.batch_size, train_items), d.batch_size, o)
+    target = min(TARGET_GENERATIONS, cfg.run.generations)
+    # The largest generation (prompts shrink first, then candidates) that fits the target.
+    size = next((s for s in sizes if search >= target * generation(s)), sizes[-1])
+    population, prompts = size
+    fit_generations = max(0, int(search / generation(size)))
+    generations = min(cfg.run.generations, fit_generations)
+    seconds = {
+        "model load": costs.spent,
+        "SFT": sft,
+        "held-out baseline": baseline,
+        "scale baseline": start,
+        "held-out": held_out,
+        "generations": generations * generation(size),
+    }
+    return Plan(
+        budget=budget,
+        max_new_tokens=cfg.generation.new_tokens,
+        sft_steps=sft_steps,
+        sft_seconds=round(sft, 1),
+        check_items=check_items,
+        checks=checks,
+        start_prompts=start_prompts,
+        population=population,
+        prompts=prompts,
+        generations=generations,
+        seconds={k: round(v, 1) for k, v in seconds.items()},
+        lengths=lengths.as_dict() if lengths is not None else {},
+        costs={k: round(v, 4) for k, v in dataclasses.asdict(costs).items()},
+    )
+
+
+def generation_sizes(
+    population: int, prompts: int, batch_size: int, o: Any
+) -> list[tuple[int, int]]:
+    """(candidates, prompts) per generation, largest first, within the stated bounds: prompts
+    down to :data:`MIN_PROMPT_SHARE` of ``data.batch_size`` first, then candidates down to
+    :data:`MIN_POPULATION_SHARE` of the population (even where pairs are antithetic)."""
+    step = 2 if (o.mirrored or o.name == "openai_es") else 1
+    floor_prompts = max(1, min(prompts, math.ceil(MIN_PROMPT_SHARE * batch_size)))
+    floor_population = max(step, math.ceil(MIN_POPULATION_SHARE * population / step) * step)
+    floor_population = min(floor_population, population)
+    sizes = [(population, p) for p in range(prompts, floor_prompts - 1, -1)]
+    sizes += [(n, floor_prompts) for n in range(population - step, floor_population - 1, -step)]
+    return sizes
+
+
+def apply_plan(cfg: Config, plan: Plan) -> Config:
+    """``cfg`` with the planned candidates and prompts per generation (the other sizes are read
+    from the plan where they are used)."""
+    return dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, batch_size=plan.prompts),
+        optimizer=dataclasses.replace(cfg.optimizer, population_size=plan.population),
+    )
+
+
+def plan_from_dict(data: dict[str, Any]) -> Plan:
+    return Plan(**data)

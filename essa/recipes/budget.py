@@ -1,0 +1,163 @@
+"""An ESSA run's budget plan at run time: made before SFT, re-made after the held-out baseline,
+kept in the checkpoint (essa.plan holds the sizing itself).
+
+Under MPI every rank probes, the slowest rank's cost is agreed (an all-gather of one float),
+and every rank computes the same plan from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from essa.config import Config
+
+if TYPE_CHECKING:
+    from essa.harness import Harness
+    from essa.plan import Plan, TaskLengths
+    from essa.recipes.common import Task
+    from essa.recipes.sft import SFTLimit
+
+PLAN_NAME = "plan.json"
+
+
+@dataclass
+class Budget:
+    """The run's plan, or none (no run.max_wall_seconds, run.plan off, or the vLLM backend)."""
+
+    plan: Plan | None = None
+    lengths: TaskLengths | None = None
+    sft_step: float = 0.0
+
+    @classmethod
+    def start(
+        cls,
+        cfg: Config,
+        h: Harness,
+        resume: bool,
+        lengths: TaskLengths,
+        model: Any,
+        tokenizer: Any,
+        task: Task,
+        train_prompts: list[str],
+    ) -> Budget:
+        """Probe and plan before SFT (print the plan); a resumed run re-reads its plan."""
+        from essa.plan import Costs, make_plan, probe_costs
+
+        if not planned(cfg):
+            return cls(lengths=lengths)
+        saved = h.run_dir / PLAN_NAME
+        if resume and saved.is_file():
+            from essa.plan import plan_from_dict
+
+            return cls(plan_from_dict(json.loads(saved.read_text())), lengths)
+        with h.phase("budget probe"):
+            sft_tokens = cfg.sft.batch_size * (lengths.prompt_mean + lengths.reference_mean + 1)
+            probed = probe_costs(model, tokenizer, train_prompts, cfg, h.elapsed, sft_tokens)
+            row = _slowest(h, probed.row)
+            costs = Costs(row=row, sft_step=_slowest(h, probed.sft_step), spent=h.elapsed)
+            sft_done = (h.run_dir / "sft_adapter" / "adapter_config.json").exists()
+            plan = make_plan(
+                cfg,
+                costs,
+                test_items=len(task.test),
+                train_items=len(task.train),
+                world_size=h.comm.world_size,
+                lengths=lengths,
+                done=("SFT",) if sft_done else (),
+            )
+        budget = cls(plan, lengths, costs.sft_step)
+        budget.announce(h, "")
+        return budget
+
+    def sft_limit(self, cfg: Config, tokenizer: Any, task: Task) -> SFTLimit | None:
+        """SFT's time limit and loss check (training examples the search also draws from,
+        never held-out ones); None without a plan."""
+        if self.plan is None:
+            return None
+        from essa.plan import SFT_CHECK_ITEMS, SFT_CHECKS, SFT_PATIENCE
+        from essa.recipes.common import render_prompts
+        from essa.recipes.sft import SFTLimit
+
+        check = task.train[:SFT_CHECK_ITEMS]
+        d = cfg.data
+        prompts = render_prompts(check, d.template, tokenizer, d.system_prompt)
+        return SFTLimit(self.plan.sft_seconds, check, prompts, SFT_CHECKS, SFT_PATIENCE)
+
+    def remeasure(
+        self, cfg: Config, h: Harness, seconds: float, test_items: int, train_items: int
+    ) -> None:
+        """Re-plan what follows the held-out baseline with that pass's cost per row (the
+        population machinery on the SFT adapter, at the run's micro-batch)."""
+        if self.plan is None or not test_items:
+            return
+        from essa.dist import shard
+        from essa.plan import Costs, make_plan
+
+        part = shard(test_items, h.comm.rank, h.comm.world_size)
+        row = _slowest(h, seconds / max(1, part.stop - part.start))
+        costs = Costs(row=row, sft_step=self.sft_step, spent=h.elapsed)
+        done = ("model load", "SFT", "held-out baseline")
+        first = self.plan.seconds  # what was planned for the phases already run stays
+        plan = make_plan(
+            cfg,
+            costs,
+            test_items=test_items,
+            train_items=train_items,
+            world_size=h.comm.world_size,
+            lengths=self.lengths,
+            done=done,
+            strict=False,
+        )
+        planned = {k: first[k] if k in done else v for k, v in plan.seconds.items()}
+        self.plan = dataclasses.replace(plan, seconds=planned)
+        self.announce(h, " (re-measured on the held-out baseline)")
+
+    def announce(self, h: Harness, note: str) -> None:
+        """Print the plan, record it (plan.json), and give the phases their planned seconds."""
+        from essa.rundir import atomic_write_json
+
+        assert self.plan is not None
+        first, second = self.plan.lines()
+        h.say(first + note)
+        h.say(second)
+        h.reporter.planned.update(self.plan.seconds)
+        if h.is_root:
+            atomic_write_json(h.run_dir / PLAN_NAME, self.plan.as_dict())
+
+    def adopt(self, cfg: Config, h: Harness, state: dict[str, Any] | None) -> Config:
+        """``cfg`` with the plan's candidates and prompts per generation; the plan comes from
+        the checkpoint on resume (so a resumed run searches as the uninterrupted one)."""
+        from essa.plan import apply_plan, plan_from_dict
+
+        if state is not None and state.get("plan") is not None:
+            self.plan = plan_from_dict(state["plan"])
+        if self.plan is None:
+            return cfg
+        h.reporter.planned.update(self.plan.seconds)
+        return apply_plan(cfg, self.plan)
+
+    @property
+    def items(self) -> int | None:
+        """Held-out items of a check during the search (None: the whole split)."""
+        return None if self.plan is None else self.plan.check_items
+
+    @property
+    def start_prompts(self) -> int:
+        from essa.recipes.baselines import SCALE_PROMPTS
+
+        return SCALE_PROMPTS if self.plan is None else max(1, self.plan.start_prompts)
+
+
+def planned(cfg: Config) -> bool:
+    """Whether this run plans its budget: ESSA on the HF backend with a wall-clock budget."""
+    return bool(cfg.run.plan and cfg.run.max_wall_seconds and cfg.backend == "hf")
+
+
+def _slowest(h: Harness, value: float) -> float:
+    """The largest ``value`` over the ranks (every rank then plans the same)."""
+    return float(np.max(h.comm.allgather_fitness(np.array([value], dtype=np.float64))))

@@ -1,0 +1,253 @@
+"""The budget plan (essa.plan): lengths from the data, phases sized to run.max_wall_seconds, a
+budget too small refused before SFT, SFT's time limit and loss check, and the plan kept across
+a resume. Pure sizing on hand-made costs; the rest on the demo model through the real CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from essa.config import load_config
+from essa.errors import UserError
+from essa.plan import (
+    CHECKS_SHARE,
+    MIN_PROMPT_SHARE,
+    SFT_SHARE,
+    START_SHARE,
+    TARGET_GENERATIONS,
+    Costs,
+    TaskLengths,
+    auto_max_new_tokens,
+    generation_sizes,
+    length_warning,
+    make_plan,
+    resolve_lengths,
+)
+from tests.test_train_e2e import essa, sets
+
+REAL = [
+    "model.name_or_path=some/real-model",
+    "generation.max_new_tokens=20",
+    "run.max_wall_seconds=1140",
+    "run.generations=40",
+    "data.batch_size=32",
+    "optimizer.population_size=16",
+    "optimizer.start=scale_baseline",
+    "optimizer.mirrored=true",
+    "sft.steps=48",
+    "sft.batch_size=8",
+]
+
+
+def real_cfg(*extra: str):  # type: ignore[no-untyped-def]
+    return load_config(None, [*REAL, *extra])
+
+
+def lengths(reference_max: int) -> TaskLengths:
+    return TaskLengths(116.0, 130, 58, reference_max - 2.0, reference_max)
+
+
+def test_auto_max_new_tokens_holds_the_longest_reference_and_its_stop() -> None:
+    assert auto_max_new_tokens(lengths(2)) == 2 + 1 + 2  # at least 2 tokens of slack
+    assert auto_max_new_tokens(lengths(24)) == 24 + 1 + 3  # an eighth of the longest
+    assert auto_max_new_tokens(lengths(100_000)) == 1024  # capped
+
+
+def test_a_fixed_length_too_short_for_the_references_warns_with_the_numbers() -> None:
+    line = length_warning(12, [10, 13, 18, 11])
+    assert line is not None
+    assert "max_new_tokens=12" in line and "50%" in line and "longest 18" in line
+    assert "at least 19" in line
+    assert length_warning(19, [10, 13, 18]) is None
+
+
+def test_resolve_lengths_measures_on_the_models_tokenizer() -> None:
+    from essa.backends.hf import load_tokenizer
+    from essa.config import ModelConfig
+
+    tokenizer = load_tokenizer(ModelConfig())  # the bundled demo's real tokenizer
+    cfg = load_config(None, ["generation.max_new_tokens=auto"])
+    prompts = ["12+7=", "3+45="]
+    refs = ["19", "48"]
+    resolved, measured, warning = resolve_lengths(cfg, tokenizer, prompts, refs)
+    longest = max(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in refs)
+    assert measured.reference_max == longest and warning is None
+    assert resolved.generation.new_tokens == auto_max_new_tokens(measured)
+    fixed = load_config(None, ["generation.max_new_tokens=1"])
+    same, _, warning = resolve_lengths(fixed, tokenizer, prompts, refs)
+    assert same.generation.new_tokens == 1 and warning is not None
+
+
+def test_generous_budget_keeps_the_configured_sizes() -> None:
+    cfg = real_cfg()
+    plan = make_plan(cfg, Costs(row=0.01, sft_step=1.0, spent=10), test_items=500, train_items=5000)
+    assert plan.prompts == 32 and plan.generations == 40
+    assert plan.sft_steps == 48 and plan.sft_seconds == 48.0  # the steps fit: no limit binds
+
+
+def test_expensive_rows_shrink_every_sized_phase_within_bounds() -> None:
+    # A long-prompt task measured before any planning: 0.29 s per row on 2 cores.
+    cfg = real_cfg()
+    plan = make_plan(cfg, Costs(row=0.29, sft_step=6.6, spent=15), test_items=500, train_items=5000)
+    budget = 1140
+    assert plan.sft_seconds == pytest.approx(SFT_SHARE * budget)
+    assert plan.start_prompts == max(16, int(START_SHARE * budget / (8 * 0.29)))
+    assert plan.checks == 4 and plan.check_items == int(CHECKS_SHARE * budget / (4 * 0.29))
+    assert MIN_PROMPT_SHARE * 32 <= plan.prompts <= 32 and 8 <= plan.population <= 16
+    assert plan.population < 16 and plan.prompts == 16  # prompts shrink first, then candidates
+    assert sum(plan.seconds.values()) <= budget  # the plan itself fits the budget
+    assert plan.seconds["held-out baseline"] == pytest.approx(500 * 0.29, abs=0.1)
+    assert plan.generations >= 10
+
+
+@pytest.mark.parametrize("row", [0.02, 0.05, 0.1, 0.2, 0.29])
+def test_the_largest_generation_that_fits_the_target_is_planned(row: float) -> None:
+    cfg = real_cfg()
+    plan = make_plan(cfg, Costs(row=row, sft_step=1.5, spent=10), test_items=500, train_items=5000)
+    sizes = generation_sizes(16, 32, 32, cfg.optimizer)
+    assert sizes[0] == (16, 32) and sizes[-1] == (8, 16)
+    assert all(n % 2 == 0 for n, _ in sizes)  # mirrored pairs stay whole
+    at = sizes.index((plan.population, plan.prompts))
+    search = 1140 - sum(v for k, v in plan.seconds.items() if k != "generations")
+    fits = [search >= TARGET_GENERATIONS * n * p * row for n, p in sizes]
+    assert at == (fits.index(True) if any(fits) else len(sizes) - 1)
+    assert plan.generations == min(40, int(search / (plan.population * plan.prompts * row)))
+
+
+def test_mpi_ranks_share_the_rows() -> None:
+    cfg = real_cfg()
+    costs = Costs(row=0.29, sft_step=6.6, spent=15)
+    one = make_plan(cfg, costs, test_items=500, train_items=5000)
+    four = make_plan(cfg, costs, test_items=500, train_items=5000, world_size=4)
+    assert four.seconds["held-out baseline"] == pytest.approx(500 * 0.29 / 4, abs=0.1)
+    assert four.generations * four.prompts >= one.generations * one.prompts
+
+
+def test_a_budget_too_small_for_a_useful_search_is_one_line_saying_what_fits() -> None:
+    cfg = real_cfg("run.max_wall_seconds=300")
+    with pytest.raises(UserError) as err:
+        make_plan(cfg, Costs(row=0.29, sft_step=6.6, spent=15), test_items=500, train_items=5000)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("run.max_wall_seconds: 300 s holds")
+    need = int(text.split("raise it to at least ")[1].split(" s")[0])
+    # The number it names is enough: a plan with that budget passes.
+    ok = real_cfg(f"run.max_wall_seconds={need}")
+    plan = make_plan(ok, Costs(row=0.29, sft_step=6.6, spent=15), test_items=500, train_items=5000)
+    assert plan.generations >= 10
+    # After SFT a re-plan never raises: it takes the smallest sizes.
+    late = make_plan(
+        cfg,
+        Costs(row=0.29, sft_step=6.6, spent=200),
+        test_items=500,
+        train_items=5000,
+        done=("SFT", "held-out baseline"),
+        strict=False,
+    )
+    assert (late.population, late.prompts) == (8, 16) and late.generations == 0
+
+
+# ------------------------------------------------------------------------------ SFT limit
+def _sft_setup():  # type: ignore[no-untyped-def]
+    from essa.backends.hf import load_model
+    from essa.config import AdapterConfig, ModelConfig
+    from essa.data.loaders import builtin_examples
+    from essa.recipes.sft import make_lora_model
+
+    model, tokenizer = load_model(ModelConfig())
+    peft_model = make_lora_model(model, AdapterConfig())
+    pool, _ = builtin_examples("builtin:arithmetic")
+    return peft_model, tokenizer, pool[:64], [ex.prompt for ex in pool[:64]]
+
+
+def test_sft_time_limit_cuts_the_schedule_so_the_rate_still_decays() -> None:
+    from essa.config import SFTConfig
+    from essa.recipes.sft import SFTLimit, train_sft
+
+    peft_model, tokenizer, examples, prompts = _sft_setup()
+    rates: list[float] = []
+    limit = SFTLimit(seconds=0.0, check=[], check_prompts=[])
+    losses = train_sft(
+        peft_model,
+        tokenizer,
+        examples,
+        prompts,
+        SFTConfig(steps=50, batch_size=4),
+        seed=0,
+        progress=lambda f: rates.append(f["lr"]),
+        limit=limit,
+    )
+    assert len(losses) == 2 and limit.stopped == "time" and limit.steps_done == 2
+    assert rates[0] > 0 and rates[1] < rates[0]  # the cosine ran over the 2 steps that fit
+
+
+def test_sft_stops_when_its_check_loss_stops_improving() -> None:
+    from essa.config import SFTConfig
+    from essa.recipes.sft import SFTLimit, train_sft
+
+    peft_model, tokenizer, examples, prompts = _sft_setup()
+    # lr 0: the loss cannot improve, so the check stops SFT after patience + 1 checks.
+    limit = SFTLimit(3600.0, examples[:8], prompts[:8], checks=10, patience=2)
+    losses = train_sft(
+        peft_model, tokenizer, examples, prompts, SFTConfig(steps=40, batch_size=4, lr=0.0), 0,
+        limit=limit,
+    )  # fmt: skip
+    assert limit.stopped == "check" and len(limit.check_losses) == 3
+    assert len(losses) == 3 * 4  # a check every 40 // 10 steps
+    # With learning, it runs every step.
+    peft_model, tokenizer, examples, prompts = _sft_setup()
+    limit = SFTLimit(3600.0, examples[:8], prompts[:8], checks=4, patience=2)
+    losses = train_sft(
+        peft_model, tokenizer, examples, prompts, SFTConfig(steps=12, batch_size=8, lr=3e-3), 0,
+        limit=limit,
+    )  # fmt: skip
+    assert limit.stopped == "steps" and len(losses) == 12
+
+
+# ------------------------------------------------------------------------------ end to end
+TINY = [
+    "sft.steps=4",
+    "data.sft_size=32",
+    "data.test_size=16",
+    "evaluation.every=2",
+    "run.generations=4",
+    "run.show_progress=false",
+    "data.batch_size=8",
+    "optimizer.population_size=4",
+]
+
+
+@pytest.mark.slow
+def test_a_budgeted_run_prints_its_plan_and_records_plan_vs_actual(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    res = essa("train", "--run-dir", str(run_dir), *sets(*TINY, "run.max_wall_seconds=600"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "plan: " in res.stdout and "plan seconds: " in res.stdout
+    assert "re-measured on the held-out baseline" in res.stdout
+    plan = json.loads((run_dir / "plan.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["plan"] == plan and summary["max_new_tokens"] == 8
+    phases = [json.loads(x) for x in (run_dir / "phases.jsonl").read_text().splitlines()]
+    planned = {p["phase"] for p in phases if "planned_seconds" in p}
+    assert {"SFT", "held-out baseline", "scale baseline", "generations"} <= planned
+    assert set(summary["phases"]) == set(plan["seconds"])
+    for name, row in summary["phases"].items():
+        assert row["planned"] == plan["seconds"][name] and row["actual"] >= 0
+    # The checks during the search scored the planned subsample; the ends, the whole split.
+    passes = [json.loads(x) for x in (run_dir / "heldout_scores.jsonl").read_text().splitlines()]
+    sizes = [len(p["scores"]) for p in passes]
+    assert sizes[0] == 16 and sizes[-1] == 16
+    assert all(n == min(16, plan["check_items"]) for n in sizes[1:-1])
+    assert summary["search_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_a_budget_too_small_fails_before_sft_in_one_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    res = essa("train", "--run-dir", str(run_dir), *sets(*TINY, "run.max_wall_seconds=0.5"))
+    assert res.returncode == 2
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert lines[-1].startswith("error: run.max_wall_seconds: 0.5 s holds"), res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (run_dir / "sft_adapter").exists()  # nothing trained
