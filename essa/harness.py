@@ -84,6 +84,19 @@ class Interrupt:
             signal.signal(signum, handler)
         self._previous = {}
 
+    def agree(self, comm: Comm) -> int | None:
+        """The signal every rank stops for: the first rank's (in rank order) that caught one.
+
+        A collective, called by every rank at the same point of every step: a signal that
+        reached one rank only (``kill`` of one process, a scheduler signalling one task) stops
+        them all after the same step, where a rank deciding alone would leave the others
+        blocked in the next step's exchange.
+        """
+        if comm.world_size == 1:
+            return self.signum
+        caught = [int(s) for s in comm.allgather_str(str(self.signum or 0)) if s != "0"]
+        return caught[0] if caught else None
+
 
 def _fmt(value: object) -> str:
     if isinstance(value, float):
@@ -422,8 +435,9 @@ class Harness:
                 done += 1
                 if step.stop_reason is not None:
                     self.say(step.stop_reason)
-                    if self.interrupt.signum is not None:
-                        raise SystemExit(128 + self.interrupt.signum)
+                    if step.signum is not None:
+                        self.comm.barrier()  # no rank exits before rank 0's checkpoint is saved
+                        raise SystemExit(128 + step.signum)
                     return
 
     def due(self, step: int, every: int) -> bool:
@@ -470,6 +484,7 @@ class Step:
         self.bar = bar
         self.show = show
         self.stop_reason: str | None = None
+        self.signum: int | None = None  # the signal all ranks agreed to stop for
         self.started = time.perf_counter()
 
     def progress(self, total: int) -> Phase:
@@ -501,9 +516,11 @@ class Step:
 
     def _stop_reason(self, done: int) -> str | None:
         h = self.harness
-        if h.interrupt.signum is not None:
+        # Every rank exchanges its signal flag here, before anything rank-local can return.
+        self.signum = h.interrupt.agree(h.comm)
+        if self.signum is not None:
             return (
-                f"interrupted by signal {h.interrupt.signum}: checkpoint at {h.unit[:-1]} "
+                f"interrupted by signal {self.signum}: checkpoint at {h.unit[:-1]} "
                 f"{done} saved; continue with: essa train --resume {h.run_dir}"
             )
         budget = h.cfg.run.max_wall_seconds
