@@ -139,6 +139,9 @@ def train(
         cfg = _resolve(config, set_)
         directory = run_dir or Path(cfg.run.dir)
     check_trackers(cfg.run.report_to)  # a missing library fails before any model loads
+    from essa.harness import progress_interval
+
+    progress_interval()  # a bad ESSA_PROGRESS_SECONDS fails before the run directory is made
     if comm.rank == 0:  # the others wait: rank 0 alone creates, checks or replaces it
         warning = tiny_sft_warning(cfg)
         if warning is not None and resume is None:

@@ -10,9 +10,10 @@ A recipe supplies its state, its step and its checkpoint contents; the harness o
 * the checkpoint cadence (every ``checkpoint_every`` steps, and always before stopping) with a
   storage fault turned into one line that says what was kept;
 * progress phases (model load, SFT, held-out passes, each generation or step, export): one rich
-  progress line per phase on the console, the same format for every recipe, and one record per
-  phase in ``phases.jsonl`` (``"event": "phase"``, start time, seconds, items done, the process's
-  peak RSS so far);
+  progress line per phase on a terminal, plain progress lines at least every 30 s elsewhere (a
+  pipe or a file: Slurm, nohup, CI), the same format for every recipe, and one record per phase
+  in ``phases.jsonl`` (``"event": "phase"``, start time, seconds, items done, the process's peak
+  RSS so far) besides its ``"event": "progress"`` records;
 * the held-out metric (``evaluation.metric``, :meth:`Harness.score`) and, at the baseline,
   every ``evaluation.every`` steps and the final evaluation, a few samples to read
   (``samples.jsonl``, truncated on resume like the metrics, and a compact console table);
@@ -27,10 +28,12 @@ metrics.jsonl (essa compare, bench/, tests) take every line as a generation or b
 from __future__ import annotations
 
 import json
+import math
+import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -43,6 +46,7 @@ from essa.errors import UserError
 from essa.evaluation import check_heldout_answers, heldout_metric, score_heldout
 from essa.rundir import (
     MetricsLog,
+    StorageError,
     atomic_write_json,
     atomic_write_text,
     recover,
@@ -84,6 +88,19 @@ class Interrupt:
             signal.signal(signum, handler)
         self._previous = {}
 
+    def agree(self, comm: Comm) -> int | None:
+        """The signal every rank stops for: the first rank's (in rank order) that caught one.
+
+        A collective, called by every rank at the same point of every step: a signal that
+        reached one rank only (``kill`` of one process, a scheduler signalling one task) stops
+        them all after the same step, where a rank deciding alone would leave the others
+        blocked in the next step's exchange.
+        """
+        if comm.world_size == 1:
+            return self.signum
+        caught = [int(s) for s in comm.allgather_str(str(self.signum or 0)) if s != "0"]
+        return caught[0] if caught else None
+
 
 def _fmt(value: object) -> str:
     if isinstance(value, float):
@@ -91,11 +108,48 @@ def _fmt(value: object) -> str:
     return "n/a" if value is None else str(value)
 
 
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+# Where stdout is not a terminal (Slurm, nohup, CI) the live bars draw nothing, so every open
+# phase prints a plain progress line at least this often; ESSA_PROGRESS_SECONDS overrides it
+# (0: a line at every event of a phase, which is what the tests use).
+PROGRESS_SECONDS = 30.0
+PROGRESS_ENV = "ESSA_PROGRESS_SECONDS"
+BEAT_FLOOR_SECONDS = 0.5  # the heartbeat thread never wakes more often than this
+
+
+def progress_interval(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds between a phase's plain progress lines: $ESSA_PROGRESS_SECONDS, else 30."""
+    raw = (os.environ if environ is None else environ).get(PROGRESS_ENV, "").strip()
+    if not raw:
+        return PROGRESS_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value >= 0):
+        raise UserError(f"{PROGRESS_ENV}={raw}: expected a number of seconds, 0 or more")
+    return value
+
+
 class Phase:
     """One stage of a run: a progress line while it runs, a record and a line when it ends."""
 
     def __init__(
-        self, reporter: Reporter, name: str, total: int | None, unit: str, start: int, log: bool
+        self,
+        reporter: Reporter,
+        name: str,
+        total: int | None,
+        unit: str,
+        start: int,
+        log: bool,
+        every: bool = False,
     ) -> None:
         self.reporter = reporter
         self.name = name
@@ -103,17 +157,25 @@ class Phase:
         self.unit = unit
         self.done = start
         self.log = log  # False: a transient bar only (no record, no closing line)
+        self.every = every  # a plain line at every advance (the loop: one per step)
         self.fields: JSONDict = {}
         self._task: Any = None
+        self._first = start  # items done before this process: the ETA counts from here
         self._started = time.time()
         self._clock = time.perf_counter()
+        self.last_line = self._clock  # when the last plain line or progress record went out
 
     def advance(self, n: int = 1, **fields: object) -> None:
         """``n`` more items done; ``fields`` (loss, lr, ...) replace the shown values."""
         self.done += n
-        self.update(**fields)
+        self._show(fields)
+        self.reporter._tick(self, force=self.every)
 
     def update(self, **fields: object) -> None:
+        self._show(fields)
+        self.reporter._tick(self)
+
+    def _show(self, fields: JSONDict) -> None:
         self.fields.update(fields)
         if self._task is not None:
             text = " ".join(f"{k} {_fmt(v)}" for k, v in self.fields.items())
@@ -122,6 +184,38 @@ class Phase:
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self._clock
+
+    @property
+    def eta(self) -> float | None:
+        """Seconds left at this process's rate so far; None before the first item."""
+        done = self.done - self._first
+        if not self.total or done <= 0:
+            return None
+        return max(0, self.total - self.done) * self.seconds / done
+
+    def line(self) -> str:
+        """The plain progress line: ``SFT: 20/200 steps, 31.0 s so far, eta 4 min, loss 0.5``."""
+        parts = [f"{self.done}/{self.total} {self.unit}".rstrip()] if self.total else []
+        parts.append(f"{self.seconds:.1f} s so far")
+        eta = self.eta
+        if eta is not None:
+            parts.append(f"eta {_duration(eta)}")
+        parts += [f"{k} {_fmt(v)}" for k, v in dict(self.fields).items()]
+        return f"{self.name}: " + ", ".join(parts)
+
+    def record(self, event: str, seconds: float, **extra: object) -> JSONDict:
+        """This phase as a phases.jsonl record (``phase`` when it ends, ``progress`` before)."""
+        return {
+            "event": event,
+            "phase": self.name,
+            "started": round(self._started, 3),
+            "seconds": round(seconds, 3),
+            "done": self.done,
+            "total": self.total,
+            "unit": self.unit,
+            **extra,
+            **dict(self.fields),
+        }
 
     def __enter__(self) -> Phase:
         self._task = self.reporter._open(self)
@@ -136,22 +230,43 @@ class Reporter:
 
     ``console`` is a rich Console or None (no output). With ``show_progress`` off, phases draw
     nothing but still write their records to ``log``.
+
+    On a terminal each phase is a live bar. Elsewhere (a pipe or a file: Slurm, nohup, CI) the
+    bars would draw nothing until a phase ends, so each open phase prints a plain progress line
+    (:meth:`Phase.line`) whenever ``interval`` seconds passed since its last one: checked when
+    the phase starts and advances, and by a heartbeat thread for phases that go quiet (a model
+    loading, one long generation). The loop's phase (``every``) prints one line per step. In
+    either view, each due line also goes to ``log`` as a ``progress`` record.
     """
 
     def __init__(
-        self, console: Any, *, show_progress: bool = True, log: MetricsLog | None = None
+        self,
+        console: Any,
+        *,
+        show_progress: bool = True,
+        log: MetricsLog | None = None,
+        interval: float | None = None,
     ) -> None:
         self.console = console
         self.show = show_progress and console is not None
-        # Live bars only where they redraw in place; a pipe or file gets the closing lines.
+        # Live bars only where they redraw in place; a pipe or file gets the plain lines.
         self.live = self.show and (console.is_terminal or console.is_jupyter)
+        self.plain = self.show and not self.live
         self.log = log
+        self.interval = progress_interval() if interval is None else interval
         self.bar: Any = None  # one rich Progress for all open phases (rich allows one live view)
         self._open_phases = 0
         # A budgeted run's plan (essa.plan): phase name -> planned seconds, and the seconds
         # the phases of that name actually took, for phases.jsonl and the summary.
         self.planned: dict[str, float] = {}
         self.actual: dict[str, float] = {}
+        self._phases: list[Phase] = []  # open, outermost first: what the heartbeat reports
+        self._lock = threading.Lock()  # one line or record at a time, from either thread
+        self._beat: tuple[threading.Thread, threading.Event] | None = None
+
+    @property
+    def _logging(self) -> bool:
+        return self.log is not None and self.log.enabled
 
     def say(self, text: str) -> None:
         if self.console is not None:
@@ -165,11 +280,16 @@ class Reporter:
         unit: str = "",
         start: int = 0,
         log: bool = True,
+        every: bool = False,
     ) -> Phase:
         """``with reporter.phase("sft", total=steps, unit="steps") as p: p.advance(1, loss=x)``."""
-        return Phase(self, name, total, unit, start, log)
+        return Phase(self, name, total, unit, start, log, every)
 
     def _open(self, phase: Phase) -> Any:
+        with self._lock:
+            self._phases.append(phase)
+        self._start_beat()
+        self._tick(phase)  # due at once only with interval 0
         if not self.live:
             return None
         if self.bar is None:
@@ -200,8 +320,65 @@ class Reporter:
             transient=True,  # finished phases leave their closing line, not a stale bar
         )
 
+    # ------------------------------------------------------------------ plain lines
+    def _tick(self, phase: Phase, *, force: bool = False) -> None:
+        """A plain line and a progress record for ``phase`` when one is due; with ``force``
+        a plain line in any case (a step's summary; the record waits until one is due)."""
+        if not (self.plain or (self._logging and phase.log)):
+            return
+        with self._lock:
+            if phase not in self._phases:
+                return  # closed meanwhile (the heartbeat thread): its closing line is out
+            due = time.perf_counter() - phase.last_line >= self.interval
+            if due or force:
+                self._line(phase, record=due)
+
+    def _line(self, phase: Phase, *, record: bool) -> None:
+        phase.last_line = time.perf_counter()
+        if self.plain:
+            self.say(phase.line())
+        if record and phase.log and self.log is not None:
+            eta = phase.eta
+            extra = {} if eta is None else {"eta_seconds": round(eta, 1)}
+            self.log.write(phase.record("progress", phase.seconds, **extra))
+
+    def _start_beat(self) -> None:
+        if self._beat is not None or not (self.plain or self._logging):
+            return
+        stop = threading.Event()
+        thread = threading.Thread(target=self._heartbeat, args=(stop,), daemon=True)
+        self._beat = (thread, stop)
+        thread.start()
+
+    def _stop_beat(self) -> None:
+        if self._beat is not None:
+            thread, stop = self._beat
+            self._beat = None
+            stop.set()
+            thread.join()
+
+    def _heartbeat(self, stop: threading.Event) -> None:
+        """Lines for open phases that went ``interval`` seconds without one."""
+        while not stop.wait(self._next_beat()):
+            for phase in list(self._phases):
+                try:
+                    self._tick(phase)
+                except StorageError:
+                    return  # the run's own next write stops it with what was kept
+
+    def _next_beat(self) -> float:
+        with self._lock:
+            due = [p.last_line + self.interval for p in self._phases]
+        wait = min(due) - time.perf_counter() if due else self.interval
+        return max(wait, BEAT_FLOOR_SECONDS)
+
     def _close(self, phase: Phase, *, failed: bool) -> None:
         seconds = phase.seconds
+        with self._lock:
+            self._phases.remove(phase)
+            last = not self._phases
+        if last:
+            self._stop_beat()
         if phase._task is not None:
             self._open_phases -= 1
             if self._open_phases == 0:  # stopped with its last bar, so no empty line is left
@@ -218,22 +395,9 @@ class Reporter:
         if self.log is not None:
             from essa.backends.memory import peak_rss_mb  # torch is loaded by the first phase
 
-            self.log.write(
-                {
-                    "event": "phase",
-                    "phase": phase.name,
-                    "started": round(phase._started, 3),
-                    "seconds": round(seconds, 3),
-                    "done": phase.done,
-                    "total": phase.total,
-                    "unit": phase.unit,
-                    # The process peak so far: the first phase whose record reaches the run's
-                    # peak_rss_mb is the one that set it (SFT's backward or the search's forward).
-                    "peak_rss_mb": peak_rss_mb(),
-                    **planned,
-                    **phase.fields,
-                }
-            )
+            # The process peak so far: the first phase whose record reaches the run's
+            # peak_rss_mb is the one that set it (SFT's backward or the search's forward).
+            self.log.write(phase.record("phase", seconds, peak_rss_mb=peak_rss_mb(), **planned))
         if self.show:
             count = f" {phase.done}/{phase.total} {phase.unit}" if phase.total else ""
             extra = "".join(f", {k} {_fmt(v)}" for k, v in phase.fields.items())
@@ -424,15 +588,17 @@ class Harness:
         The body calls ``step.finish(record, save)``; ``show(record)`` picks the console fields.
         """
         total = self.cfg.run.generations
-        with self.phase(self.unit, total, unit=self.unit, start=done) as bar, self.interrupt:
+        loop = self.reporter.phase(self.unit, total, unit=self.unit, start=done, every=True)
+        with loop as bar, self.interrupt:
             while done < total:
                 step = Step(self, done, bar, show)
                 yield step
                 done += 1
                 if step.stop_reason is not None:
                     self.say(step.stop_reason)
-                    if self.interrupt.signum is not None:
-                        raise SystemExit(128 + self.interrupt.signum)
+                    if step.signum is not None:
+                        self.comm.barrier()  # no rank exits before rank 0's checkpoint is saved
+                        raise SystemExit(128 + step.signum)
                     return
 
     def due(self, step: int, every: int) -> bool:
@@ -485,11 +651,13 @@ class Step:
         self.bar = bar
         self.show = show
         self.stop_reason: str | None = None
+        self.signum: int | None = None  # the signal all ranks agreed to stop for
         self.started = time.perf_counter()
 
     def progress(self, total: int) -> Phase:
         """A transient bar over the step's own items (rows generated), below the loop's."""
-        return self.harness.phase(f"  {self.harness.unit[:-1]} {self.index + 1}", total, log=False)
+        name = f"  {self.harness.unit[:-1]} {self.index + 1}"
+        return self.harness.phase(name, total, unit="rows", log=False)
 
     def finish(self, record: JSONDict, save: Callable[[], None]) -> None:
         """Log ``record``, checkpoint when due (always before stopping), advance the bar.
@@ -508,17 +676,18 @@ class Step:
                 save()
                 h._saved = done
         fields = self.show(record)
-        self.bar.advance(1, **fields)
-        if "heldout_accuracy" in record:  # a line to keep, not only the transient bar
+        self.bar.advance(1, **fields)  # off a terminal, this step's line with these fields
+        if "heldout_accuracy" in record and h.reporter.live:  # kept: the live bar is transient
             text = " ".join(f"{k} {_fmt(v)}" for k, v in fields.items())
-            if h.reporter.show:
-                h.say(f"{h.unit[:-1]} {done}: {text}")
+            h.say(f"{h.unit[:-1]} {done}: {text}")
 
     def _stop_reason(self, done: int) -> str | None:
         h = self.harness
-        if h.interrupt.signum is not None:
+        # Every rank exchanges its signal flag here, before anything rank-local can return.
+        self.signum = h.interrupt.agree(h.comm)
+        if self.signum is not None:
             return (
-                f"interrupted by signal {h.interrupt.signum}: checkpoint at {h.unit[:-1]} "
+                f"interrupted by signal {self.signum}: checkpoint at {h.unit[:-1]} "
                 f"{done} saved; continue with: essa train --resume {h.run_dir}"
             )
         budget = h.cfg.run.max_wall_seconds

@@ -179,6 +179,109 @@ def test_phases_without_a_console_only_record(tmp_path: Path) -> None:
     assert record["phase"] == "model load" and record["total"] is None
 
 
+def test_plain_progress_lines_off_a_terminal(tmp_path: Path) -> None:
+    """Off a terminal (a file: Slurm, nohup) phases print plain lines as they go, with done/total,
+    elapsed, ETA and the latest fields, and log them as progress records; interval 0: every
+    event of a phase is due."""
+    from rich.console import Console
+
+    from essa.rundir import MetricsLog
+
+    out = io.StringIO()
+    log = MetricsLog(tmp_path / "p.jsonl")
+    reporter = Reporter(Console(file=out, width=200), log=log, interval=0)
+    with reporter.phase("SFT", 2, unit="steps") as bar:
+        bar.advance(1, loss=0.5, **{"tokens/s": 100.0})
+        bar.advance(1, loss=0.25, **{"tokens/s": 120.0})
+    lines = out.getvalue().strip().splitlines()
+    assert len(lines) == 4, lines
+    assert lines[0].startswith("SFT: 0/2 steps, ") and lines[0].endswith(" s so far")
+    assert lines[1].startswith("SFT: 1/2 steps, ") and ", eta " in lines[1]
+    assert lines[1].endswith(", loss 0.5, tokens/s 100")
+    assert lines[2].startswith("SFT: 2/2 steps, ") and lines[2].endswith(
+        ", loss 0.25, tokens/s 120"
+    )
+    assert lines[3].startswith("SFT: 2/2 steps in ")  # the closing line, as before
+    records = [json.loads(line) for line in log.path.read_text().splitlines()]
+    assert [(r["event"], r["done"]) for r in records] == [
+        ("progress", 0),
+        ("progress", 1),
+        ("progress", 2),
+        ("phase", 2),
+    ]
+    assert records[1]["loss"] == 0.5 and records[1]["eta_seconds"] >= 0
+
+
+def test_loop_prints_every_step_and_no_record_before_one_is_due(tmp_path: Path) -> None:
+    """The loop's phase prints each step's line off a terminal even inside the interval; its
+    progress records wait for the interval (metrics.jsonl has every step already)."""
+    from rich.console import Console
+
+    from essa.rundir import MetricsLog
+
+    out = io.StringIO()
+    log = MetricsLog(tmp_path / "p.jsonl")
+    reporter = Reporter(Console(file=out, width=200), log=log, interval=3600)
+    with reporter.phase("generations", 3, unit="generations", start=1, every=True) as bar:
+        bar.advance(1, best=0.5)
+        bar.advance(1, best=0.75)
+    lines = out.getvalue().strip().splitlines()
+    assert [line.split(",")[0] for line in lines] == [
+        "generations: 2/3 generations",
+        "generations: 3/3 generations",
+        "generations: 3/3 generations in 0.0 s",
+    ]
+    assert lines[1].endswith(", best 0.75") and ", eta 0 s" in lines[1]
+    records = [json.loads(line) for line in log.path.read_text().splitlines()]
+    assert [r["event"] for r in records] == ["phase"]
+
+
+def test_heartbeat_prints_a_quiet_phase(tmp_path: Path) -> None:
+    """A phase with nothing to advance (a model loading) still prints a line once the interval
+    has passed: the heartbeat thread's, not the phase's own."""
+    from rich.console import Console
+
+    from essa.rundir import MetricsLog
+
+    out = io.StringIO()
+    log = MetricsLog(tmp_path / "p.jsonl")
+    reporter = Reporter(Console(file=out, width=200), log=log, interval=0.01)
+    with reporter.phase("model load"):
+        deadline = time.monotonic() + 60
+        while "model load: " not in out.getvalue():  # the line is the event waited for
+            assert time.monotonic() < deadline, "no heartbeat line in 60 s"
+            time.sleep(0.01)
+    first = out.getvalue().splitlines()[0]
+    assert first.startswith("model load: ") and first.endswith(" s so far"), first
+    assert json.loads(log.path.read_text().splitlines()[0])["event"] == "progress"
+    assert reporter._beat is None  # stopped with the last phase
+
+
+def test_terminal_view_has_no_plain_lines() -> None:
+    from rich.console import Console
+
+    out = io.StringIO()
+    reporter = Reporter(
+        Console(file=out, width=200, force_terminal=True, color_system=None), interval=0
+    )
+    with reporter.phase("SFT", 2, unit="steps") as bar:
+        bar.advance(2, loss=0.5)
+    assert "so far" not in out.getvalue()
+    assert "SFT: 2/2 steps in " in out.getvalue()  # the closing line, as before
+
+
+def test_progress_interval_from_the_environment() -> None:
+    from essa.errors import UserError
+    from essa.harness import PROGRESS_SECONDS, progress_interval
+
+    assert progress_interval({}) == PROGRESS_SECONDS == 30
+    assert progress_interval({"ESSA_PROGRESS_SECONDS": "0"}) == 0
+    assert progress_interval({"ESSA_PROGRESS_SECONDS": " 2.5 "}) == 2.5
+    for bad in ("soon", "-1", "nan", "inf"):
+        with pytest.raises(UserError, match=f"ESSA_PROGRESS_SECONDS={bad}: expected"):
+            progress_interval({"ESSA_PROGRESS_SECONDS": bad})
+
+
 # --------------------------------------------------------------------------- GRPO, real CLI
 
 GRPO = [

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -77,10 +79,8 @@ def mpi_ready() -> str:
 needs_mpi = requires("mpi", mpi_ready() or None)
 
 
-def launch(
-    ranks: int, *args: str, timeout: float = 300
-) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Run ``python ARGS`` on ``ranks`` MPI ranks (0: plain, no mpiexec); return (result, s)."""
+def rank_env() -> dict[str, str]:
+    """The environment of every launched process: one thread each, tests/ importable."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -88,6 +88,13 @@ def launch(
         "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("ESSA_DIST", None)
+    return env
+
+
+def launch(
+    ranks: int, *args: str, timeout: float = 300
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``python ARGS`` on ``ranks`` MPI ranks (0: plain, no mpiexec); return (result, s)."""
     prefix = [find_mpiexec() or "mpiexec", "-n", str(ranks)] if ranks else []
     start = time.perf_counter()
     result = subprocess.run(
@@ -95,7 +102,7 @@ def launch(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env=rank_env(),
     )
     return result, time.perf_counter() - start
 
@@ -324,3 +331,110 @@ def test_user_error_on_every_rank_printed_once(tmp_path: Path) -> None:
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.count("model.name_or_path: no such directory") == 1
     assert "Traceback" not in res.stderr
+
+
+# ------------------------------------------------------------------- a signal to one rank
+
+# The demo model, small: each generation takes a second or two on 2 busy cores.
+DEMO = [
+    "sft.steps=4",
+    "data.sft_size=32",
+    "data.batch_size=8",
+    "data.test_size=40",
+    "optimizer.population_size=4",
+    "evaluation.every=2",
+    "evaluation.strategy=batched",
+    "evaluation.use_scale_baseline=false",
+    "run.show_progress=false",
+    "run.generations=6",
+]
+# Each rank's exit status, written by the shell that runs it: mpiexec ORs them into its own.
+RANK_STATUS = 'python -m essa.cli "$@"; rc=$?; echo $rc > "$RC_DIR/rank$PMI_RANK"; exit $rc'
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The PID of MPI rank ``rank``'s ``python -m essa.cli`` among the launcher's descendants."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended meanwhile
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    todo = [launcher]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[1:3] == [b"-m", b"essa.cli"] and f"PMI_RANK={rank}".encode() in env:
+                return pid
+    return None
+
+
+def wait_until(proc: subprocess.Popen, ready: Callable[[], bool], what: str) -> None:
+    """Poll until ``ready()``; fail if the launch ends first. The timeout bounds a hang only."""
+    deadline = time.monotonic() + FAULT_TIMEOUT
+    while not ready():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} after {FAULT_TIMEOUT} s"
+        time.sleep(0.02)  # a poll interval: nothing waits on time passing
+
+
+@pytest.mark.mpi
+@needs_mpi
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks through /proc")
+def test_sigint_to_one_rank_stops_every_rank_and_resumes_exactly(tmp_path: Path) -> None:
+    """SIGINT to rank 1 alone: both ranks finish the same generation, rank 0 checkpoints it,
+    both exit 130; the resumed run ends with the adapter of an uninterrupted one."""
+    overrides = [a for item in DEMO for a in ("--set", item)]
+    ref = tmp_path / "ref"
+    res, _ = launch(2, "-m", "essa.cli", "train", "--run-dir", str(ref), *overrides)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    run_dir, status = tmp_path / "run", tmp_path / "status"
+    status.mkdir()
+    out = (tmp_path / "stdout").open("w+")
+    cmd = [find_mpiexec() or "mpiexec", "-n", "2", "sh", "-c", RANK_STATUS, "sh"]
+    proc = subprocess.Popen(
+        [*cmd, "train", "--run-dir", str(run_dir), *overrides],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**rank_env(), "RC_DIR": str(status)},
+        start_new_session=True,  # the whole job can be ended if it hangs
+    )
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        wait_until(
+            proc,
+            lambda: metrics.exists() and '"generation": 0,' in metrics.read_text(),
+            "generation 0 in metrics.jsonl",
+        )
+        pid = rank_pid(proc.pid, 1)
+        assert pid is not None, "rank 1's process not found"
+        os.kill(pid, signal.SIGINT)
+        proc.wait(timeout=FAULT_TIMEOUT)  # before the fix rank 0 blocked in the next exchange
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out.seek(0)
+    output = out.read()
+    assert proc.returncode == 130, output[-3000:]
+    assert {p.name: p.read_text().strip() for p in status.iterdir()} == {
+        "rank0": "130",
+        "rank1": "130",
+    }
+    assert output.count(f"continue with: essa train --resume {run_dir}") == 1  # rank 0's line
+    done = json.loads((run_dir / "checkpoint.json").read_text())["optimizer"]["generation"]
+    assert 1 <= done < 6 and not (run_dir / "summary.json").exists()
+    assert [r["generation"] for r in generations(run_dir)] == list(range(-1, done))
+
+    res, _ = launch(2, "-m", "essa.cli", "train", "--resume", str(run_dir))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["generation"] for r in generations(run_dir)] == list(range(-1, 6))
+    assert_same_adapter(run_dir, ref)
+    assert trajectory(run_dir) == trajectory(ref)

@@ -248,6 +248,15 @@ def test_bad_input_one_line_exit_2(tmp_path: Path, override: str, fragment: str)
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
+def test_bad_progress_interval_one_line_exit_2(tmp_path: Path) -> None:
+    res = essa("train", "--run-dir", str(tmp_path / "run"), env={"ESSA_PROGRESS_SECONDS": "soon"})
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.strip() == (
+        "error: ESSA_PROGRESS_SECONDS=soon: expected a number of seconds, 0 or more"
+    )
+    assert not (tmp_path / "run").exists()  # refused before the run directory is made
+
+
 def test_unwritable_run_dir(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("x")  # root ignores permission bits, so block with a file instead
@@ -321,3 +330,47 @@ def test_train_on_local_gsm8k_jsonl(tmp_path: Path) -> None:
     for r in records:  # math_accuracy over 8 prompts, averaged over 4 candidates
         if r["generation"] >= 0:
             assert_accuracy_over(4 * 8, r["mean_fitness"])
+
+
+@pytest.mark.slow
+def test_plain_progress_lines_when_stdout_is_a_file(tmp_path: Path) -> None:
+    """stdout to a file (Slurm, nohup, CI): every phase prints plain lines with its progress
+    while it runs, and logs them to phases.jsonl. ESSA_PROGRESS_SECONDS=0 makes every event of
+    a phase due, so the test waits on nothing."""
+    run_dir, stdout = tmp_path / "run", tmp_path / "stdout.txt"
+    shown = [s for s in SMALL if not s.startswith("run.show_progress")]
+    overrides = sets(*shown, "run.generations=3", "evaluation.use_scale_baseline=true")
+    with stdout.open("w") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "essa.cli", "train", "--run-dir", str(run_dir), *overrides],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "ESSA_PROGRESS_SECONDS": "0"},
+        )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = stdout.read_text().splitlines()
+
+    def so_far(name: str) -> list[str]:  # the phase's progress lines, not its closing one
+        return [x for x in lines if x.startswith(f"{name}: ") and " s so far" in x]
+
+    for name in ("model load", "export"):  # nothing to count: elapsed time
+        assert so_far(name), name
+    sft = so_far("SFT")
+    for step in range(1, 5):
+        line = next(x for x in sft if x.startswith(f"SFT: {step}/4 steps, "))
+        assert ", eta " in line and ", loss " in line and ", tokens/s " in line, line
+    for name in ("held-out baseline", "scale baseline", "final held-out"):
+        rows = [x for x in so_far(name) if " rows, " in x]
+        assert any(", eta " in x for x in rows), (name, rows)
+        done, total = rows[-1].split(": ", 1)[1].split(" ", 1)[0].split("/")
+        assert done == total, rows[-1]
+    loop = so_far("generations")
+    for g in range(1, 4):  # each generation's summary line
+        line = next(x for x in loop if x.startswith(f"generations: {g}/3 generations, "))
+        assert ", fitness mean " in line and ", best " in line, line
+    assert so_far("  generation 1")  # the rows of one generation, as they are generated
+    records = [json.loads(x) for x in (run_dir / "phases.jsonl").read_text().splitlines()]
+    logged = {r["phase"] for r in records if r["event"] == "progress"}
+    assert logged >= {"model load", "SFT", "held-out baseline", "generations", "export"}
