@@ -227,4 +227,3 @@ def test_gym_score_gives_full_credit_to_chat_styled_right_answers() -> None:
         assert reward(completions, [None] * 3, prompts) == [1.0] * 3, style
     wrong = [f"The answer is **{int(e.answer) + 1}**." for e in examples]
     assert reward(wrong, [None] * 3, prompts) == [0.0] * 3
-
