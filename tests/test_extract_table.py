@@ -103,6 +103,9 @@ TABLE: list[tuple[str, str, bool]] = [
     ("The answer is 12 m.", "12", True),
     ("The answer is 12 m.", "13", False),
     ("The total cost is $\\$1,250$.", "1250", True),
+    ("The total is \\$1{,}250.", "1250", True),
+    ("The answer is \u20ac500, the price of the bike.", "500", True),
+    ("The answer is 500\u20ac.", "500", True),
     # equations and arithmetic after the phrase: math-verify takes the right-hand side
     ("The answer is 7 + 5 = 12.", "12", True),
     ("The answer is 4 times 3 = 12.", "12", True),

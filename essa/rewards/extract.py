@@ -41,11 +41,14 @@ _EMPHASIS_DEPTH = 3  # "**_`42`_**" at most
 _NUMBER = re.compile(r"-?\d+/\d+(?![\d/]|[.,]\d)|-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 # The number an answer starts with: currency sign dropped, "a/b" and a percent sign kept.
 _LEADING_NUMBER = re.compile(
-    r"(?:\\?\$)?[ \t]*(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+)(\\?%)?"
+    r"(?:\\?\$|[\u20ac\u00a3\u00a5])?[ \t]*"
+    r"(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+)(\\?%)?"
 )
-# What ends the answer after its number: a clause, a parenthesis, an em dash, a degree sign,
-# or the end.
-_AFTER_NUMBER = re.compile(r"\s*$|[,;:](?:\s|$)|\s+\(|\s*[\u2014\u00b0]")
+# What ends the answer after its number: a clause (not a list: "2, 3 and 5"), a parenthesis,
+# an em dash, a degree or currency sign, or the end.
+_AFTER_NUMBER = re.compile(
+    r"\s*$|[,;:](?:\s+[^\s\d+-]|\s*$)|\s+\(|\s*[\u2014\u00b0\u20ac\u00a3\u00a5]"
+)
 # The word after the number, and whether the sentence ends or a clause opens right after it.
 _NEXT_WORD = re.compile(r"\s+([A-Za-z]+)\b(\s*$|[,;:(])?")
 # Words after a number that belong to the answer ("5 million", "4 times 3 = 12", "2 pi").
@@ -239,7 +242,7 @@ def extract_answer(text: str, *, use_last_number: bool = True) -> str | None:
     boxed = last_boxed(text)
     if boxed is not None and boxed.strip():
         return normalize_answer(boxed)
-    plain = strip_markup(text.replace("\u2212", "-"))
+    plain = strip_markup(text.replace("\u2212", "-").replace("{,}", ","))
     for rest in (_marker_tail(plain), _phrase_tail(plain)):
         answer = None if rest is None else pointed_answer(rest, use_last_number=use_last_number)
         if answer:
