@@ -56,6 +56,7 @@ TESTS: dict[str, list[str]] = {
     ],
     "rewards": [
         "tests/test_rewards.py", "tests/test_rewards_group.py", "tests/test_rewards_model.py",
+        "tests/test_extract_table.py",
         "tests/test_data_generators.py",  # the reasoning-gym reward
         # worker_thread grades with a 1 s budget that a loaded machine can exceed
         "-m", "not slow", "-k", "not worker_thread",

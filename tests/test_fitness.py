@@ -56,6 +56,30 @@ def test_population_pool_votes_across_candidates() -> None:
         candidate_scores(reward, texts, [None, None], ["a", "b"])
 
 
+def test_population_pool_honours_use_last_number() -> None:
+    # Without the last-number fallback the bare "7"s cast no vote, so the boxed 8 wins.
+    texts = [["7"], ["7"], [r"\boxed{8}"]]
+    pooled, _ = candidate_scores(
+        get_reward("majority_vote", pool="population"), texts, [None], ["q"], comm=LocalComm()
+    )
+    assert pooled == [[1.0], [1.0], [0.0]]
+    strict = get_reward("majority_vote", pool="population", use_last_number=False)
+    scores, metrics = candidate_scores(strict, texts, [None], ["q"], comm=LocalComm())
+    assert scores == [[0.0], [0.0], [1.0]] and metrics["answered_share"] == pytest.approx(1 / 3)
+
+
+def test_population_pool_honours_min_group_size() -> None:
+    # The group of a prompt is all candidates' k completions: 3 candidates x 2 samples = 6.
+    texts = [["7", "7"], ["7", "8"], ["8", "7"]]
+    for size, gradable in [(6, True), (7, False)]:
+        reward = get_reward("majority_vote", pool="population", min_group_size=size)
+        scores, _ = candidate_scores(
+            reward, texts, [None], ["q"], samples_per_prompt=2, comm=LocalComm()
+        )
+        expected = [[1.0, 1.0], [1.0, 0.0], [0.0, 1.0]] if gradable else [[None, None]] * 3
+        assert scores == expected
+
+
 def test_logprob_reward_takes_backend_logprobs() -> None:
     reward = get_reward("self_confidence", use_length_norm=False)
     logprobs = [[[math.log(0.5)], [math.log(0.25)]], [[0.0], []]]

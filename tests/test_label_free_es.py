@@ -150,6 +150,29 @@ def test_group_reward_without_groups_is_one_clear_line(
     assert "Traceback" not in res.stderr
 
 
+def test_vote_group_no_vote_reaches_is_one_clear_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """16 candidates x 1 sample: a population vote of at least 17 completions never happens."""
+    import subprocess
+    import sys
+
+    sets = small(
+        tiny_model_dir,
+        "reward.name=majority_vote",
+        "reward.params.pool=population",
+        "reward.params.min_group_size=17",
+        "optimizer.population_size=16",
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "essa.cli", "train", "--run-dir", str(tmp_path / "r"),
+         *[a for s in sets for a in ("--set", s)]],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "reward.params.min_group_size: 17 is more than the 16 completions" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()  # refused before any generation
+
+
 @pytest.mark.mpi
 @needs_mpi
 @pytest.mark.parametrize(

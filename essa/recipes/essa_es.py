@@ -72,7 +72,7 @@ def run(
     from essa.backends.memory import memory_metrics, model_bytes
     from essa.dist import get_comm
     from essa.recipes import common
-    from essa.rewards.loading import es_reward_inputs, load_reward
+    from essa.rewards.loading import check_vote_size, es_reward_inputs, load_reward
 
     h = Harness(cfg, run_dir, resume=resume, console=console, comm=comm or get_comm())
     common.seed_everything(cfg.run.seed)
@@ -80,6 +80,7 @@ def run(
     h.check_heldout(task.test)  # before the model loads
     vllm = cfg.backend == "vllm"  # it returns the sampled tokens' log-probs, not the reference's
     reward = load_reward(cfg.reward, recipe="ESSA", **es_reward_inputs(cfg))
+    check_vote_size(cfg, reward)
     with h:  # the trackers close whatever happens
         model, tokenizer = common.load_base_model(cfg, h)
         base_bytes = model_bytes(model)  # the base weights as stored (quantised ones packed)

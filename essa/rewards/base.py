@@ -24,9 +24,10 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
+from types import MappingProxyType
 
 import numpy as np
 
@@ -122,6 +123,9 @@ class Reward:
 
     needs: frozenset[str] = frozenset()
     pool: str = "group"  # "population": ESSA votes over all candidates (essa.rewards.pool)
+    # The parameters a registered reward was built with; the population vote, scored outside
+    # the reward, reads its extraction and group-size parameters here.
+    params: Mapping[str, object] = MappingProxyType({})
 
     def __init__(
         self, name: str, fn: ScoreFn, stats: RewardStats | None = None, *, is_group: bool = False

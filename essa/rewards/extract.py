@@ -5,8 +5,16 @@ Extraction order of :func:`extract_answer` (spec rewards-and-eval.md §2, the Qw
 
 1. the last brace-matched ``\\boxed{...}`` (``\\fbox{...}`` when there is no ``\\boxed``);
 2. the text after the last GSM8K ``#### `` marker;
-3. the text after the last "the answer is" / "final answer is" / "Answer:" phrase;
+3. the text after the last answer phrase: "the answer is", "final answer is", "Answer:",
+   "the answer to this problem is";
 4. the last number in the text (``use_last_number``), so that a bare completion like "46" grades.
+
+Steps 2-4 read the completion with its Markdown emphasis removed (``**42**``, ``*42*``,
+``__42__``, `` `42` ``; not ``2**10`` or ``x_1``). What follows a marker or phrase is cut to its
+sentence and then to the answer it points at (:func:`pointed_answer`): a leading number with its
+trailing clause, parenthesis or unit words dropped (``42, which ...`` -> ``42``), else a leading
+``$...$`` span, else, for prose (``that she has 5 apples``), its last number. A phrase whose prose
+holds no number points at nothing, and the next step decides.
 """
 
 from __future__ import annotations
@@ -15,10 +23,39 @@ import re
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _GSM8K_MARKER = re.compile(r"####[ \t]*([^\n]*)")
-# "the answer is", "final answer is", "The final answer: ", DAPO's "Answer:".
-_ANSWER_PHRASE = re.compile(r"answer\s*(?:is\b\s*:?|:)[ \t]*", re.IGNORECASE)
-# Thousands-grouped integers first so that "1,234" is one number, then plain decimals.
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+# "the answer is", "final answer is", "The final answer: ", DAPO's "Answer:", and the chat
+# models' "The answer to this arithmetic problem is".
+_ANSWER_PHRASE = re.compile(
+    r"answer(?:\s+(?:to|for)\s+[^.\n:]{1,60}?)?\s*(?:is\b\s*:?|:)[ \t]*", re.IGNORECASE
+)
+# A Markdown heading after the GSM8K marker ("#### Final Answer") is not the answer.
+_ANSWER_HEADING = re.compile(r"(?:the\s+)?(?:final\s+)?answer\b\s*(?:is\b)?\s*:?\s*", re.I)
+# Emphasis opens after a non-word character and closes before one, within 300 characters of
+# one line (a bound that keeps degenerate "(*(*(*..." text linear), so that "2**10", "3 * 4",
+# "x_1", "a_{n}" and "\_" are left alone.
+_EMPHASIS = re.compile(
+    r"(?<![\w\\*_`])(\*{1,3}|_{1,3}|`)(?=\S)(.{1,300}?)(?<=[^\s\\])\1(?![\w*_`({\[])"
+)
+_EMPHASIS_DEPTH = 3  # "**_`42`_**" at most
+# Fractions "a/b" and thousands-grouped integers first ("1,234" is one number), then decimals.
+_NUMBER = re.compile(r"-?\d+/\d+(?![\d/]|[.,]\d)|-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+# The number an answer starts with: currency sign dropped, "a/b" and a percent sign kept.
+_LEADING_NUMBER = re.compile(
+    r"(?:\\?\$|[\u20ac\u00a3\u00a5])?[ \t]*"
+    r"(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+)(\\?%)?"
+)
+# What ends the answer after its number: a clause (not a list: "2, 3 and 5"), a parenthesis,
+# an em dash, a degree or currency sign, or the end.
+_AFTER_NUMBER = re.compile(
+    r"\s*$|[,;:](?:\s+[^\s\d+-]|\s*$)|\s+\(|\s*[\u2014\u00b0\u20ac\u00a3\u00a5]"
+)
+# The word after the number, and whether the sentence ends or a clause opens right after it.
+_NEXT_WORD = re.compile(r"\s+([A-Za-z]+)\b(\s*$|[,;:(])?")
+# Words after a number that belong to the answer ("5 million", "4 times 3 = 12", "2 pi").
+_MATH_WORDS = {"times", "plus", "minus", "over", "divided", "multiplied", "mod", "pi", "sqrt"}
+# Prose after a phrase: a word, then a space ("that she has 5 apples", "approximately 42").
+_PROSE = re.compile(r"[A-Za-z]{2,},?\s")
+_MATH_SPAN = re.compile(r"(\$\$?|\\\(|\\\[)(.+?)(\$\$?|\\\)|\\\])")
 _THOUSANDS = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _SENTENCE_END = re.compile(r"\.(?:\s|$)")
 # "12 dollars" -> "12": a number followed only by plain words (units); math-verify knows few
@@ -75,13 +112,93 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def _clean_phrase_answer(rest: str) -> str:
-    """Trim the text after an answer phrase to the answer itself: one line, one sentence."""
+def strip_markup(text: str, *, whole: bool = False) -> str:
+    """``text`` without Markdown emphasis and code spans: ``**42**``, ``*42*``, ``__42__``,
+    ``***42***`` and `` `42` `` become ``42``; ``2**10``, ``3 * 4`` and ``x_1`` stay. With
+    ``whole``, only emphasis around all of ``text`` goes (an exact answer inside a tag).
+
+    >>> strip_markup("**The answer is __42__.** 2**10 = 3 * x_1")
+    'The answer is 42. 2**10 = 3 * x_1'
+    >>> strip_markup("*a* or *b*", whole=True), strip_markup("**_nus_**", whole=True)
+    ('*a* or *b*', 'nus')
+    """
+    for _ in range(_EMPHASIS_DEPTH):  # nested emphasis: "**_42_**"
+        previous = text
+        if not whole:
+            text = _EMPHASIS.sub(r"\2", text)
+        else:  # the first closing delimiter must end the text: not "*a* or *b*"
+            match = _EMPHASIS.match(text.strip())
+            if match is not None and match.end() == len(text.strip()):
+                text = match.group(2)
+        if text == previous:
+            break
+    return text
+
+
+def _sentence(rest: str) -> str:
+    """The first sentence of the first line of ``rest``, trailing punctuation dropped."""
     line = rest.split("\n", 1)[0]
     end = _SENTENCE_END.search(line)
     if end is not None:
         line = line[: end.start()]
-    return line.strip().strip("$").strip().rstrip(".,;:!").strip()
+    return line.strip().rstrip(".,;:!").strip()
+
+
+def _leading_number(answer: str) -> str | None:
+    """The number ``answer`` starts with when what follows it is no part of it: nothing, a
+    clause, a parenthesis or plain words ("42, which ...", "-7 (since ...)", "12 dollars");
+    None when the number is part of a larger answer ("3/4", "5 million", "42 - 5 = 37")."""
+    match = _LEADING_NUMBER.match(answer)
+    if match is None:
+        return None
+    number = match.group(1) + ("%" if match.group(2) else "")
+    rest = answer[match.end() :]
+    if _AFTER_NUMBER.match(rest):
+        return number
+    word = _NEXT_WORD.match(rest)
+    if word is None or word.group(1).lower() in _SCALE_WORDS | _MATH_WORDS:
+        return None
+    # One letter is a unit at the end ("12 m") but algebra before more ("2 x + 1").
+    return number if len(word.group(1)) > 1 or word.group(2) is not None else None
+
+
+def _math_span(answer: str) -> str | None:
+    """The content of the ``$...$``, ``$$...$$``, ``\\(...\\)`` or ``\\[...\\]`` span that
+    ``answer`` starts with, if any."""
+    match = _MATH_SPAN.match(answer)
+    pairs = {"$": "$", "$$": "$$", "\\(": "\\)", "\\[": "\\]"}
+    if match is None or pairs[match.group(1)] != match.group(3):
+        return None
+    return match.group(2).strip() or None
+
+
+def pointed_answer(rest: str, *, use_last_number: bool = True) -> str | None:
+    """The answer that the text after a marker or answer phrase points at (not normalised).
+
+    Within its first sentence: a leading number, trailing clause dropped; else a leading math
+    span; else, for prose, its last number; else the sentence itself (a text answer such as a
+    reasoning-gym word). None when there is nothing, or prose without a number and
+    ``use_last_number`` (the caller's last-number fallback decides then).
+
+    >>> [pointed_answer(t) for t in ["42, which is 6 * 7.", "$\\\\frac{1}{2}$, or 0.5", "3/4 cup"]]
+    ['42', '\\\\frac{1}{2}', '3/4']
+    >>> [pointed_answer(t) for t in ["that she has 5 apples left.", "nus", "not obvious"]]
+    ['5', 'nus', None]
+    """
+    sentence = _sentence(rest)
+    if not sentence:
+        return None
+    for pick in (_leading_number, _math_span):
+        answer = pick(sentence)
+        if answer is not None:
+            return answer
+    if _PROSE.match(sentence):
+        numbers = _NUMBER.findall(sentence)
+        if numbers:
+            return numbers[-1]
+        if use_last_number:
+            return None
+    return sentence.strip("$").strip()  # an unclosed "$x + 1" of a cut-off completion
 
 
 def normalize_answer(answer: str) -> str:
@@ -125,19 +242,31 @@ def extract_answer(text: str, *, use_last_number: bool = True) -> str | None:
     boxed = last_boxed(text)
     if boxed is not None and boxed.strip():
         return normalize_answer(boxed)
-    markers = _GSM8K_MARKER.findall(text)
-    if markers and markers[-1].strip():
-        return normalize_answer(markers[-1])
-    phrases = list(_ANSWER_PHRASE.finditer(text))
-    if phrases:
-        answer = _clean_phrase_answer(text[phrases[-1].end() :])
+    plain = strip_markup(text.replace("\u2212", "-").replace("{,}", ","))
+    for rest in (_marker_tail(plain), _phrase_tail(plain)):
+        answer = None if rest is None else pointed_answer(rest, use_last_number=use_last_number)
         if answer:
             return normalize_answer(answer)
     if use_last_number:
-        numbers = _NUMBER.findall(text.replace("\u2212", "-"))
+        numbers = _NUMBER.findall(plain)
         if numbers:
             return normalize_answer(numbers[-1])
     return None
+
+
+def _marker_tail(text: str) -> str | None:
+    """The line after the last GSM8K ``####`` marker, a "Final Answer" heading dropped."""
+    markers = _GSM8K_MARKER.findall(text)
+    if not markers:
+        return None
+    heading = _ANSWER_HEADING.match(markers[-1])
+    return markers[-1][heading.end() :] if heading else markers[-1]
+
+
+def _phrase_tail(text: str) -> str | None:
+    """The text after the last answer phrase."""
+    phrases = list(_ANSWER_PHRASE.finditer(text))
+    return text[phrases[-1].end() :] if phrases else None
 
 
 def normalize_gold(answer: str) -> str:

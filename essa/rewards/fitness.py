@@ -9,7 +9,9 @@ parameters, not the sampling noise.
   ``answer_frequency``, ``noisy``; ``pool: group``) scores each candidate's k samples of a
   prompt as one group (TTRL's vote within one policy's samples).
 * ``pool: population`` (majority_vote only) votes over every candidate's completions of the
-  prompt, on all ranks (:mod:`essa.rewards.pool`): only 8-byte answer keys are gathered.
+  prompt, on all ranks (:mod:`essa.rewards.pool`): only 8-byte answer keys are gathered. The
+  reward's ``use_last_number`` and ``min_group_size`` hold as in a group vote; the group of a
+  prompt is the P * k completions of all candidates.
 * Log-prob rewards take ``logprobs[c][item]`` from the backend (generated tokens' log-probs
   for ``completion_logprobs``, the teacher-forced reference for ``reference_logprobs``).
 
@@ -20,11 +22,12 @@ when none is gradable: a failed evaluation).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from essa.rewards.base import Reward, fitness_from_rewards
+from essa.rewards.label_free import MIN_GROUP_SIZE
 from essa.rewards.pool import (
     agreement_rewards,
     answer_key,
@@ -69,7 +72,7 @@ def candidate_scores(
     if reward.pool == "population":
         if comm is None:
             raise ValueError("pool: population needs the communicator (the vote spans ranks)")
-        return _population_pool(texts, answers, k, comm)
+        return _population_pool(texts, answers, k, comm, **_vote_params(reward))
     if reward.needs:
         if logprobs is None:
             raise ValueError(f"reward {reward.name!r} needs log-probs from the backend")
@@ -81,12 +84,26 @@ def candidate_scores(
     return [reward(list(t), answers_k, prompts_k) for t in texts], {}  # type: ignore[arg-type]
 
 
+def _vote_params(reward: Reward) -> dict[str, Any]:
+    """The majority_vote parameters that the population vote honours, where given."""
+    return {
+        p: reward.params[p] for p in ("use_last_number", "min_group_size") if p in reward.params
+    }
+
+
 def _population_pool(
-    texts: Sequence[Sequence[str]], answers: Sequence[str | None], k: int, comm: KeyGather
+    texts: Sequence[Sequence[str]],
+    answers: Sequence[str | None],
+    k: int,
+    comm: KeyGather,
+    *,
+    use_last_number: bool = True,
+    min_group_size: int = MIN_GROUP_SIZE,
 ) -> tuple[list[list[float | None]], dict[str, float]]:
     num_prompts = len(answers)
     groups = sample_groups(num_prompts, k)
-    local = answer_keys(texts).reshape(len(texts), num_prompts * k)  # (p, N * k)
+    local = answer_keys(texts, use_last_number=use_last_number)
+    local = local.reshape(len(texts), num_prompts * k)  # (p, N * k)
     keys = comm.allgather_keys(local)  # (P, N * k): 8 bytes per answer cross ranks
     majority = population_majority(keys, groups)
     rewards = agreement_rewards(local, majority, groups)  # (p, N * k)
@@ -100,6 +117,9 @@ def _population_pool(
     if labelled:
         gold = [answer_key(str(answers[g])) for g in labelled]
         metrics["majority_correct_share"] = float(np.mean(majority[labelled] == gold))
+    # A prompt's group is every candidate's k completions of it, on all ranks: P * k.
+    if keys.shape[0] * k < min_group_size:
+        return [[None] * rewards.shape[1] for _ in range(rewards.shape[0])], metrics
     return [list(map(float, row)) for row in rewards], metrics
 
 

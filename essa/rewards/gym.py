@@ -6,22 +6,23 @@ import re
 from typing import Any
 
 from essa.rewards.base import RewardStats, ScoreFn
-from essa.rewards.extract import extract_answer
+from essa.rewards.extract import extract_answer, strip_markup
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def gym_answer(completion: str) -> str:
-    """The answer a reasoning-gym scorer sees: the last ``<answer>...</answer>`` content, else
-    the box / ``####`` / answer-phrase answer (no last-number fallback), else the stripped
+    """The answer a reasoning-gym scorer sees: the last ``<answer>...</answer>`` content (less
+    Markdown emphasis around all of it), else the box / ``####`` / answer-phrase answer of
+    :func:`~essa.rewards.extract.extract_answer` (no last-number fallback), else the stripped
     completion (a bare-answer completion such as ``"46"``).
 
-    >>> gym_answer("<think>x</think><answer> 7 </answer>"), gym_answer(" 46\\n")
+    >>> gym_answer("<think>x</think><answer> **7** </answer>"), gym_answer(" 46\\n")
     ('7', '46')
     """
     tags = _ANSWER_TAG.findall(completion)
     if tags:
-        return tags[-1].strip()
+        return strip_markup(tags[-1], whole=True).strip()
     answer = extract_answer(completion, use_last_number=False)
     return answer if answer is not None else completion.strip()
 

@@ -25,6 +25,7 @@ from essa.rewards.base import RewardStats, ScoreFn, group_indices
 from essa.rewards.extract import extract_answer
 
 POOLS = ("group", "population")  # whose completions vote (majority_vote's ``pool``)
+MIN_GROUP_SIZE = 2  # smaller groups are not gradable (``min_group_size``'s default)
 
 
 def cluster_answers(
@@ -97,7 +98,7 @@ def _check_group_size(min_group_size: int) -> None:
 def majority_vote(
     stats: RewardStats,
     *,
-    min_group_size: int = 2,
+    min_group_size: int = MIN_GROUP_SIZE,
     use_last_number: bool = True,
     timeout_seconds: int = 5,
     use_process_pool: bool = False,
@@ -115,7 +116,8 @@ def majority_vote(
 
     ``pool`` says whose completions vote: ``group`` (TTRL: the completions of one prompt in
     the call) or ``population`` (ESSA only: every candidate's completions of the prompt, see
-    :mod:`essa.rewards.pool`; the recipe then scores agreement itself, from answer keys).
+    :mod:`essa.rewards.pool`; the recipe then scores agreement itself, from answer keys, with
+    the same ``use_last_number``, and a group of all P candidates' k completions).
 
     Deviation: TTRL verifies each answer against the voted label string; here membership of
     the label's cluster decides, so a completion's reward never depends on verify's asymmetry.
@@ -162,7 +164,7 @@ def semantic_entropy(ids: Sequence[int | None]) -> float:
 def answer_frequency(
     stats: RewardStats,
     *,
-    min_group_size: int = 2,
+    min_group_size: int = MIN_GROUP_SIZE,
     use_entropy_filter: bool = False,
     use_last_number: bool = True,
     timeout_seconds: int = 5,

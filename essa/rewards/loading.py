@@ -59,3 +59,21 @@ def es_reward_inputs(cfg: Config) -> dict[str, Any]:
             "vote among the candidates"
         ),
     }
+
+
+def check_vote_size(cfg: Config, reward: Reward) -> None:
+    """Refuse a group reward's ``min_group_size`` that no ESSA vote reaches: every item would
+    be ungradable and every candidate fail. A vote sees a candidate's k samples of a prompt, or
+    under ``pool: population`` all P candidates' k samples."""
+    size = reward.params.get("min_group_size")
+    if not reward.is_group or not isinstance(size, int):
+        return
+    k = cfg.generation.samples_per_prompt
+    pooled = reward.pool == "population"
+    votes = k * cfg.optimizer.population_size if pooled else k
+    if size > votes:
+        where = "optimizer.population_size x " if pooled else ""
+        raise UserError(
+            f"reward.params.min_group_size: {size} is more than the {votes} completions a vote "
+            f"sees ({where}generation.samples_per_prompt), so no item could be graded"
+        )

@@ -12,6 +12,7 @@ import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from essa.rewards.accuracy import math_accuracy
@@ -203,4 +204,5 @@ def get_reward(name: str, **params: object) -> Reward:
         return LogprobReward(name, fn, stats, target=spec.needs, scorer=scorer)  # type: ignore[arg-type]
     reward = Reward(name, spec.factory(stats, **params), stats, is_group=spec.is_group)
     reward.pool = str(params.get("pool", "group"))
+    reward.params = MappingProxyType(dict(params))
     return reward
