@@ -5,7 +5,8 @@ the window slides well inside every prompt and completion: Gemma 3 (sliding and 
 mixed by ``layer_types``), Gemma 2 (alternating), Mistral (every layer sliding) and Qwen2 with
 ``use_sliding_window``. Random weights rarely say EOS, so each model also stops on the
 character whose first appearance varies most between rows: rows end at different steps and
-are dropped on the way.
+are dropped on the way. The Gemma models carry ``cache_implementation="hybrid"`` in their
+generation config, as the hub's checkpoints do (``generate`` now reads it as the dynamic cache).
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def _build(family: str, directory: Path) -> Path:
             out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         greedy.append(out[:, ids.shape[1] :])
     model.generation_config.eos_token_id = [1, _varied_stop(greedy, tokenizer)]
+    if family.startswith("gemma"):  # as the hub's Gemma 2/3 checkpoints ship it
+        model.generation_config.cache_implementation = "hybrid"
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
