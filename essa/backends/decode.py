@@ -2,15 +2,16 @@
 
 Completions vary from a few tokens to hundreds; HF ``generate`` keeps every row of a batch in
 every forward until the longest one ends. :func:`decode_rows` runs the same steps (prefill,
-then one token per step on a ``DynamicCache``, the logits processors that ``generate`` would
-build from the model's generation config and ours, argmax or multinomial), and whenever at
-least ``1 / COMPACT_FRACTION`` of the running rows have ended it drops them from the batch:
-the token history, the attention mask, the positions, every cache layer
-(``DynamicCache.batch_select_indices``) and the row -> candidate map (``set_rows`` is called
-with the surviving rows' candidates). Greedy completions are token for token those of
-``generate`` (tested). Sampling keeps its semantics (temperature, top-p and the model's
-processors), but once rows are dropped the multinomial draws come from a smaller batch, so a
-seed gives different samples than ``generate`` would.
+then one token per step on a ``DynamicCache`` with the layers ``generate`` would give it, the
+logits processors that ``generate`` would build from the model's generation config and ours,
+argmax or multinomial), and whenever at least ``1 / COMPACT_FRACTION`` of the running rows
+have ended it drops them from the batch: the token history, the attention mask, the
+positions, every cache layer (``DynamicCache.batch_select_indices``, full-attention and
+sliding-window layers alike) and the row -> candidate map (``set_rows`` is called with the
+surviving rows' candidates). Greedy completions are token for token those of ``generate``
+(tested). Sampling keeps its semantics (temperature, top-p and the model's processors), but
+once rows are dropped the multinomial draws come from a smaller batch, so a seed gives
+different samples than ``generate`` would.
 
 Host syncs: which rows have ended is read back every ``check_every`` steps (1 on CPU, where a
 read costs nothing; ``ACCELERATOR_CHECK_EVERY`` on GPUs, where each read drains the launch
@@ -18,8 +19,10 @@ queue); finished rows in between are fed padding as ``generate`` does. The non-f
 flags rows on the device and is read back at the same points.
 
 Uses two private ``GenerationMixin`` helpers to build exactly the processors ``generate``
-builds; :func:`supports_row_dropping` says when this loop applies (a plain full-attention
-``DynamicCache`` and those helpers present); otherwise the caller uses ``generate``.
+builds; :func:`supports_row_dropping` says when this loop applies (a cache layout that
+``essa.backends.cache`` handles, full-attention and sliding-window layers as in Llama, Qwen,
+SmolLM2, Gemma 2/3 and Mistral, and those helpers present); otherwise the caller uses
+``generate``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 
 import torch
 
+from essa.backends.cache import cache_argument, fast_cache_layout, model_cache, record_past, rewind
 from essa.backends.sampling import RowPicker
 
 COMPACT_FRACTION = 8  # drop ended rows once they are at least 1/8 of the running batch
@@ -84,10 +88,8 @@ class NonFiniteGuard:
 
 def supports_row_dropping(model: Any) -> bool:
     """True when :func:`decode_rows` can run ``model`` (see the module docstring)."""
-    from essa.backends.hf import has_plain_dynamic_cache
-
     helpers = ("_prepare_generation_config", "_prepare_special_tokens", "_get_logits_processor")
-    if not all(hasattr(model, name) for name in helpers) or not has_plain_dynamic_cache(model):
+    if not all(hasattr(model, name) for name in helpers) or not fast_cache_layout(model):
         return False
     # The loop passes these by name; a wrapper whose forward takes **kwargs only (a PeftModel)
     # might drop one silently, so such models keep generate (which unwraps them itself).
@@ -179,16 +181,12 @@ def decode_rows(
     reference's likelihood costs ``len(teacher)`` extra prefill tokens per row, not a second
     pass over the prompt.
     """
-    from transformers import DynamicCache
-
-    from essa.backends.hf import _cache_argument
-
     config, processors = decode_processors(model, generate_kwargs, input_ids)
     device, width = input_ids.device, input_ids.shape[1]
     stops = config._eos_token_tensor
     stops = torch.zeros(0, dtype=torch.long, device=device) if stops is None else stops.view(-1)
     pad = int(generate_kwargs["pad_token_id"])
-    cache = DynamicCache(config=model.config) if cache is None else cache
+    cache = model_cache(model) if cache is None else cache
     state = _Running(input_ids, attention_mask, cache.get_seq_length())
     every = check_every or (1 if device.type == "cpu" else ACCELERATOR_CHECK_EVERY)
     keep_one = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
@@ -203,7 +201,7 @@ def decode_rows(
                 attention_mask=state.mask,
                 position_ids=state.step_positions,
                 use_cache=True,
-                **{_cache_argument(model): cache},
+                **{cache_argument(model): cache},
                 **keep_one,
             )
             logits = out.logits[:, -1].to(dtype=torch.float32)  # (b, V)
@@ -248,8 +246,6 @@ def _teacher_prefill(
 ) -> torch.Tensor:
     """The prefill with each row's teacher tokens after its prompt: the next-token logits
     (b, V) of the prompt's last position; the teacher tokens' log-probs go to ``out``."""
-    from essa.backends.hf import _cache_argument
-
     device = state.step_ids.device
     n = max((len(t) for t in teacher), default=0)
     ids = torch.full((len(teacher), n), pad, dtype=torch.long)  # (b, L) right-padded
@@ -260,6 +256,7 @@ def _teacher_prefill(
     ids, live = ids.to(device), live.to(device)
     last = state.step_positions[:, -1:]  # (b, 1)
     extra = {"logits_to_keep": n + 1} if _takes_logits_to_keep(model) else {}
+    record_past(cache)  # sliding-window layers must still hold the prompt's columns after the crop
     result = model(
         input_ids=torch.cat([state.step_ids, ids], dim=-1),
         attention_mask=torch.cat([state.mask, live], dim=-1),
@@ -268,13 +265,13 @@ def _teacher_prefill(
             [state.step_positions, last + 1 + torch.arange(n, device=device)], -1
         ),
         use_cache=True,
-        **{_cache_argument(model): cache},
+        **{cache_argument(model): cache},
         **extra,
     )
     logits = result.logits[:, -(n + 1) :].to(dtype=torch.float32)  # (b, L + 1, V)
     del result
+    rewind(cache, n)  # the teacher tokens leave the cache: decoding continues from the prompt
     if n:
-        cache.crop(-n)  # the teacher tokens leave the cache: decoding continues from the prompt
         logp = torch.log_softmax(logits[:, :n], dim=-1)  # (b, L, V): column t predicts ids[:, t]
         picked = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1).cpu()  # (b, L)
         if out is not None:

@@ -22,6 +22,14 @@ from typing import Any
 
 import torch
 
+from essa.backends.cache import (
+    cache_argument,
+    fast_cache_layout,
+    has_sliding_window,
+    place_prefix,
+    unwindowed_cache,
+)
+from essa.backends.cache import has_plain_dynamic_cache as has_plain_dynamic_cache  # re-export
 from essa.backends.decode import (
     NonFiniteGuard,
     decode_rows,
@@ -306,8 +314,9 @@ def generate_texts(
     With ``use_prefix_cache``, the longest token prefix shared by all prompts (a system prompt, a
     chat header) is run once per candidate and its KV cache copied to that candidate's rows
     instead of being recomputed for every row; the completions are the same. It applies when the
-    prefix has at least ``MIN_PREFIX_TOKENS`` tokens and the model's cache is a plain
-    full-attention ``DynamicCache``; otherwise every row is encoded whole.
+    prefix has at least ``MIN_PREFIX_TOKENS`` tokens and the model's cache is one that
+    ``essa.backends.cache`` handles (full-attention and sliding-window layers); otherwise every
+    row is encoded whole.
     With ``guard``, rows whose logits turn non-finite are flagged in ``guard.rows`` and stopped.
     ``progress(rows)`` is called after each micro-batch. Returns (completions, new_tokens).
 
@@ -341,12 +350,14 @@ def generate_texts(
     seeds = None if row_seeds is None else torch.as_tensor(list(row_seeds), dtype=torch.long)
     prefix_len = shared_prefix_length(encoded) if use_prefix_cache else 0
     prefix: PrefixStates | None = None
-    if prefix_len >= MIN_PREFIX_TOKENS and has_plain_dynamic_cache(model):
+    if prefix_len >= MIN_PREFIX_TOKENS and fast_cache_layout(model):
         prefix = prefix_states(
             model, encoded[0][:prefix_len], row_candidates, micro_batch_size, set_rows
         )
     else:
         prefix_len = 0
+    # A sliding window counts columns: there the rows keep their whole-row layout (pad_rows).
+    gap_columns = 0 if has_sliding_window(model) else prefix_len
     drop_rows = supports_row_dropping(model)
     completions: list[str] = []
     new_tokens = 0
@@ -356,9 +367,9 @@ def generate_texts(
         if set_rows is not None:
             set_rows(rows)
         input_ids, attention_mask = pad_rows(
-            encoded[start:stop], prefix_len, tokenizer.pad_token_id, device
+            encoded[start:stop], gap_columns, tokenizer.pad_token_id, device
         )  # (B, T) each
-        cache = None if prefix is None else prefix.expand(model, rows)
+        cache = None if prefix is None else prefix.expand(model, rows, attention_mask)
         picker = None
         if picking:
             picker = RowPicker(
@@ -426,7 +437,7 @@ def _generate(
         processors.append(_PickerProcessor(picker, input_ids.shape[1]))
     extra: dict[str, Any] = {"logits_processor": processors} if processors else {}
     if cache is not None:
-        extra[_cache_argument(model)] = cache
+        extra[cache_argument(model)] = cache
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **extra, **kwargs)
     if guard is not None:
         guard.flush()
@@ -480,7 +491,9 @@ def pad_rows(
     The shared prefix stays in the same columns of every row, so one cached prefix serves them
     all; with ``prefix_len`` 0 this is plain left padding. ``generate`` takes positions from the
     mask's cumulative sum, so a row's own tokens sit at positions ``prefix_len``, +1, ... in both
-    layouts, and both compute the same logits.
+    layouts, and both compute the same logits under full attention. A sliding window counts
+    columns, pads included, so models with one keep plain left padding and get the prefix
+    cache in each row's own columns instead (``PrefixStates.expand`` with the mask).
     """
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, T)
@@ -494,27 +507,7 @@ def pad_rows(
     return input_ids.to(device), attention_mask.to(device)
 
 
-def has_plain_dynamic_cache(model: Any) -> bool:
-    """True when the model generates with a DynamicCache of full-attention layers only.
-
-    Sliding-window, linear-attention (hybrid) and KV-sharing layers keep state that a copied
-    prefix would not reproduce, and a transformers without the layered cache API has no
-    ``DynamicLayer``: those models encode every row whole.
-    """
-    try:
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
-    except ImportError:
-        return False
-    if getattr(model.config, "is_encoder_decoder", False):
-        return False
-    layers = DynamicCache(config=model.config).layers
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
-
-
-def _cache_argument(model: Any) -> str:
-    # transformers 5 renamed the forward/generate argument `past_key_values` to `cache`.
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+_cache_argument = cache_argument  # its former name here, still imported by callers
 
 
 @dataclass
@@ -524,15 +517,30 @@ class PrefixStates:
     candidates: torch.Tensor  # (G,) sorted candidate ids; row g of every tensor is candidates[g]
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), (G, H_kv, L, D)
 
-    def expand(self, model: Any, rows: torch.Tensor) -> Any:
-        """A fresh DynamicCache with one row per batch row (generate extends it in place)."""
+    def expand(
+        self, model: Any, rows: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> Any:
+        """A fresh cache of the model's layout with one row per batch row (B,).
+
+        ``attention_mask`` (B, T) is the rows' mask: in its first L columns, each row's prefix
+        tokens fill the attended columns (the whole-row layout puts them after the row's left
+        padding); None: the prefix fills the first L columns of every row. Sliding-window
+        layers keep their last ``window - 1`` columns (the cache's own bookkeeping), which is
+        why the prefix states hold every column. ``generate`` extends the cache in place.
+        """
         from transformers import DynamicCache
 
         index = torch.searchsorted(self.candidates, rows)  # (B,)
-        data = []
-        for keys, values in self.layers:
-            at = index.to(keys.device)
-            data.append((keys.index_select(0, at), values.index_select(0, at)))  # (B, H, L, D)
+        width = self.layers[0][0].shape[2]
+        seen = (
+            torch.ones((len(rows), width), dtype=torch.long)
+            if attention_mask is None
+            else attention_mask[:, :width]
+        )  # (B, L)
+        data = [
+            (place_prefix(keys, index, seen), place_prefix(values, index, seen))  # (B, H, L, D)
+            for keys, values in self.layers
+        ]
         return DynamicCache(ddp_cache_data=data, config=model.config)
 
 
@@ -543,9 +551,11 @@ def prefix_states(
     micro_batch_size: int,
     set_rows: Callable[[torch.Tensor], None] | None,
 ) -> PrefixStates:
-    """Run the prefix once for each candidate that appears in ``row_candidates`` (N,)."""
-    from transformers import DynamicCache
+    """Run the prefix once for each candidate that appears in ``row_candidates`` (N,).
 
+    The run keeps every column of every layer (:func:`unwindowed_cache`), sliding-window layers
+    included: rows with more left padding need older prefix columns inside their window.
+    """
     device = model_device(model)
     candidates = torch.unique(row_candidates)  # (G,), sorted
     keep_one = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -554,16 +564,16 @@ def prefix_states(
         group = candidates[start : start + micro_batch_size]  # (g,)
         if set_rows is not None:
             set_rows(group)
-        cache = DynamicCache(config=model.config)
+        cache = unwindowed_cache()
         ids = torch.as_tensor(prefix, dtype=torch.long, device=device).expand(len(group), -1)
         # Only the cache is wanted: logits_to_keep=1 skips the (g, L, V) logits.
         model(
             input_ids=ids,  # (g, L)
             use_cache=True,
-            **{_cache_argument(model): cache},
+            **{cache_argument(model): cache},
             **({"logits_to_keep": 1} if keep_one else {}),
         )
-        full_layers: list[Any] = cache.layers  # DynamicLayer only (has_plain_dynamic_cache)
+        full_layers: list[Any] = cache.layers  # DynamicLayer only (unwindowed_cache)
         chunks.append([(layer.keys, layer.values) for layer in full_layers])
     layers = [
         (torch.cat([c[i][0] for c in chunks]), torch.cat([c[i][1] for c in chunks]))
