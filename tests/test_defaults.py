@@ -40,7 +40,7 @@ def test_demo_keeps_its_values() -> None:
 def test_real_model_gets_schema_defaults() -> None:
     cfg = load_config(None, [REAL])
     assert values(cfg) == values(Config())
-    assert cfg.generation.max_new_tokens == 256 and cfg.optimizer.sigma0 == 0.1
+    assert cfg.generation.max_new_tokens == "auto" and cfg.optimizer.sigma0 == 0.1
     assert cfg.data.template == "auto" and cfg.evaluation.use_scale_baseline is False
     assert cfg.sft.steps * cfg.sft.batch_size >= cfg.data.sft_size  # at least one pass
 
@@ -52,7 +52,7 @@ def test_explicit_values_win_on_the_demo(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  name_or_path: /models/x\nsft:\n  steps: 4\n")
     real = load_config(path)
-    assert real.sft.steps == 4 and real.generation.max_new_tokens == 256
+    assert real.sft.steps == 4 and real.generation.max_new_tokens == "auto"
 
 
 def test_tiny_sft_warning() -> None:
