@@ -213,7 +213,7 @@ def make_es_optimizer(
     stds = adapter.stds() if o.use_relative_steps else None
     free = None if stds is None else adapter.searchable()  # (D,) bool
     if free is not None and free.all():
-        free = None  # the plain optimizer, as before subspaces existed: checkpoints still load
+        free = None  # nothing to hold: the plain optimizer and its own checkpoint format
     options.update(
         population_size=o.population_size,
         sigma0=o.sigma0,
