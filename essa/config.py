@@ -663,6 +663,7 @@ def check_values(cfg: Config) -> None:
             "optimizer.population_size: openai_es needs an even population (antithetic pairs)"
         )
     _check_reference_weight(cfg)
+    _check_sft_adapter(cfg)
     if cfg.generation.temperature < 0:
         raise ConfigError("generation.temperature: must be >= 0")
     if cfg.generation.samples_per_prompt < 1:
@@ -691,6 +692,23 @@ def check_values(cfg: Config) -> None:
     _check_scalebio(cfg)
     _check_layer_sampling(cfg)
     _check_vllm(cfg)
+
+
+def _check_sft_adapter(cfg: Config) -> None:
+    """ESSA searches the SFT adapter's singular values: refuse one that is zero by config."""
+    if cfg.algorithm != "essa" or cfg.adapter.path is not None:
+        return
+    if cfg.adapter.lora_alpha == 0:
+        raise ConfigError(
+            "adapter.lora_alpha: must not be 0, which scales the LoRA update to zero (gamma = "
+            "lora_alpha / r): SFT cannot train it and ESSA has nothing to search; use e.g. 16"
+        )
+    if cfg.sft.steps == 0 and cfg.optimizer.use_relative_steps:
+        raise ConfigError(
+            "sft.steps: must be > 0 without adapter.path: 0 leaves the new LoRA's B at zero "
+            "(PEFT's initialisation) and ESSA's relative steps have no singular value to "
+            "scale; train it, or set adapter.path to a trained LoRA"
+        )
 
 
 def _check_data(cfg: Config) -> None:

@@ -13,9 +13,12 @@ import os
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
+
+if TYPE_CHECKING:
+    from essa.config import Config
 
 CHARS = list("0123456789+-*= ")
 
@@ -203,3 +206,40 @@ def svd_setup(model_dir: Path) -> tuple[object, object, object]:
             param.data = torch.randn(param.shape, generator=gen) * 0.3
     adapter = SVDAdapter.from_peft_model(peft_model, alpha=1.0)
     return peft_model.unload(), tokenizer, adapter
+
+
+# --------------------------------------------------------------------------------------- GRPO
+
+# `--set` items of a seconds-long GRPO run: 4 prompts x 4 completions per step.
+GRPO_SETS = ["algorithm=grpo", "grpo.prompts_per_step=4", "grpo.group_size=4"]
+GRPO_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@pytest.fixture(scope="module")
+def tiny_lora(tiny_model_dir: Path) -> tuple[Any, Any]:
+    """(peft_model, tokenizer): the tiny Qwen2 with a random (non-zero B) rank-4 LoRA."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.padding_side = "left"
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=GRPO_TARGETS, lora_dropout=0.0)
+    peft_model = get_peft_model(base, lora).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at 0; a trained adapter has non-zero B
+                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+    return peft_model, tokenizer
+
+
+def grpo_cfg(**grpo: Any) -> Config:
+    """A GRPO Config for the tiny model: 6 new tokens, temperature 0.7, ``grpo`` fields on top."""
+    from essa.config import Config, GenerationConfig, GRPOConfig
+
+    return Config(
+        generation=GenerationConfig(max_new_tokens=6),
+        grpo=GRPOConfig(**{"temperature": 0.7, **grpo}),
+    )

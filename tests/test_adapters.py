@@ -111,6 +111,70 @@ def test_factors_of_zero_vector_are_sft_weights(models, adapter) -> None:
         assert adapter.module(name).gamma == LORA_ALPHA / RANK
 
 
+def _documented_layout(peft_model: torch.nn.Module, k: int) -> list[tuple[str, int, int]]:
+    """(module, factor 0 = A / 1 = B, singular index) of each search coordinate, as the docs
+    state the layout: layer -> q, k, v, o -> A then B -> the top k values, largest first."""
+    names = [
+        name.removeprefix("base_model.model.")
+        for name, module in peft_model.named_modules()
+        if hasattr(module, "lora_A") and name.rsplit(".", 1)[-1] in TARGETS
+    ]
+    names.sort(key=lambda n: (int(n.split(".")[2]), TARGETS.index(n.rsplit(".", 1)[-1])))
+    return [(name, factor, j) for name in names for factor in (0, 1) for j in range(k)]
+
+
+def _moved(weight: torch.Tensor, j: int, delta: float) -> torch.Tensor:
+    """``weight`` with its j-th singular value moved by ``delta``, from the test's own SVD."""
+    u, s, vh = torch.linalg.svd(weight.double(), full_matrices=False)
+    s = s.clone()
+    s[j] += delta
+    return (u * s) @ vh
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_offset_i_moves_only_the_ith_singular_value_of_its_factor(models, alpha: float) -> None:
+    """Checked against the SFT LoRA's own weights and the documented layout, for every
+    coordinate i of the search vector: the factors rebuilt from delta * e_i (svd.py's A', B')
+    have exactly one singular value moved (torch.linalg.svdvals), the intended one, by delta;
+    and the update population.py's forward adds for that candidate is gamma B' A' with that
+    one value moved (a permuted or misrouted scaling changes it, though not its svdvals)."""
+    base, peft_model = models
+    adapter = SVDAdapter.from_peft_model(peft_model, alpha=alpha)
+    layers = dict(peft_model.base_model.model.named_modules())
+    sft = {  # name -> (A, B) of the trained LoRA
+        name: tuple(getattr(layers[name], f"lora_{f}")["default"].weight.detach() for f in "AB")
+        for name in adapter.module_names
+    }
+    values = {name: tuple(torch.linalg.svdvals(w.double()) for w in sft[name]) for name in sft}
+    layout = _documented_layout(peft_model, int(RANK * alpha))
+    assert len(layout) == adapter.dim
+    offsets = np.zeros((adapter.dim, adapter.dim))  # candidate i = delta_i * e_i
+    for i, (name, factor, j) in enumerate(layout):
+        s = values[name][factor]
+        offsets[i, i] = 0.4 * float(s[j - 1] - s[j] if j else s[0])  # keeps the order
+    eye = torch.eye(base.config.hidden_size)[:, None, :]  # (n, 1, n): one basis input per row
+    with PopulationLoRA(base, adapter) as pop, torch.no_grad():
+        pop.set_population(offsets)
+        wrapped = {name: base.get_submodule(name) for name in adapter.module_names}
+        for i, (name, factor, j) in enumerate(layout):
+            delta = float(offsets[i, i])
+            rebuilt = adapter.factors(offsets[i])
+            pop.set_rows(torch.full((len(eye),), i))
+            for other in adapter.module_names:
+                moved = [
+                    _moved(w, j, delta) if (other, f) == (name, factor) else w.double()
+                    for f, w in enumerate(sft[other])
+                ]
+                for f in (0, 1):
+                    want = torch.linalg.svdvals(moved[f])
+                    got = torch.linalg.svdvals(rebuilt[other][f].double())
+                    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+                layer = wrapped[other]
+                update = (layer(eye) - layer.base(eye))[:, 0].T.double()  # (m, n) = gamma B'A'
+                want = adapter.module(other).gamma * moved[1] @ moved[0]
+                torch.testing.assert_close(update, want, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize(("alpha", "k"), [(1.0, 4), (0.5, 2), (0.25, 1), (0.3, 1)])
 def test_layout_dim_and_k(models, alpha: float, k: int) -> None:
     adapter = SVDAdapter.from_peft_model(models[1], alpha=alpha)

@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from essa.config import Config, CureConfig, GenerationConfig, GRPOConfig
+from essa.config import Config, CureConfig, GRPOConfig
 from essa.recipes import cure
 from essa.recipes.grpo_policy import Policy, Rollout, token_logprobs
+from tests.conftest import grpo_cfg
 from tests.test_grpo_e2e import SMALL, lora_changed, records
-from tests.test_grpo_recipe import tiny  # noqa: F401  (the module fixture)
 from tests.test_train_e2e import essa, sets
 
 PAD, EOS, A, B = 0, 1, 2, 3
@@ -117,18 +117,15 @@ def test_branch_contexts_are_the_prompt_and_the_prefix_before_the_critical_token
 
 
 def cure_cfg(**cure_fields: object) -> Config:
-    return Config(
-        generation=GenerationConfig(max_new_tokens=6),
-        grpo=GRPOConfig(
-            temperature=1.0,
-            group_size=4,
-            cure=CureConfig(use_branching=True, **cure_fields),  # type: ignore[arg-type]
-        ),
+    return grpo_cfg(
+        temperature=1.0,
+        group_size=4,
+        cure=CureConfig(use_branching=True, **cure_fields),  # type: ignore[arg-type]
     )
 
 
-def test_branched_rollout_fills_each_group_with_originals_then_their_branches(tiny) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
-    peft_model, tokenizer = tiny
+def test_branched_rollout_fills_each_group_with_originals_then_their_branches(tiny_lora) -> None:  # type: ignore[no-untyped-def]
+    peft_model, tokenizer = tiny_lora
     policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
     cfg = cure_cfg(branches=1, top_k_tokens=3)  # G = 4: n1 = 2 originals, 1 branch each
     prompts = ["12+7="] * 4 + ["5+93="] * 4

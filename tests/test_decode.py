@@ -138,3 +138,95 @@ def test_peft_wrapped_models_keep_generate(demo) -> None:  # type: ignore[no-unt
     model = demo[0]
     assert supports_row_dropping(model)
     assert not supports_row_dropping(make_lora_model(copy.deepcopy(model), AdapterConfig(rank=2)))
+
+
+def generate(demo, monkeypatch, gen: GenerationConfig, *, drop: bool = True, **options):  # type: ignore[no-untyped-def]
+    """generate_texts on the plain demo model: the decode loop, or generate (``drop=False``)."""
+    from essa.backends import hf
+
+    model, tokenizer, _, _ = demo
+    with monkeypatch.context() as patch:
+        if not drop:
+            patch.setattr(hf, "supports_row_dropping", lambda model: False)
+        texts, _ = hf.generate_texts(model, tokenizer, QUESTIONS, gen, **options)
+    return texts
+
+
+def raw_logprobs(demo, texts: list[str], lengths: list[int]) -> list[list[float]]:  # type: ignore[no-untyped-def]
+    """The model's own log-probs of each row's generated tokens (its stop token included when
+    ``lengths`` counts it), teacher-forced in one plain forward: no processor, no picker."""
+    from essa.backends.teacher import token_logprobs_rows
+
+    model, tokenizer, _, _ = demo
+    prompts = tokenizer(QUESTIONS, add_special_tokens=False)["input_ids"]
+    completions = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    pairs = []
+    for prompt, ids, length in zip(prompts, completions, lengths, strict=True):
+        assert length in (len(ids), len(ids) + 1)  # the demo's tokenizer is one char a token
+        pairs.append((list(prompt), list(ids) + [tokenizer.eos_token_id] * (length - len(ids))))
+    return token_logprobs_rows(model, pairs, pad_id=tokenizer.pad_token_id, micro_batch_size=64)
+
+
+def assert_logprobs_close(got: list[list[float]], want: list[list[float]]) -> None:
+    assert [len(row) for row in got] == [len(row) for row in want]
+    for a, b in zip(got, want, strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_logprobs_are_the_models_own_with_a_repetition_penalty(demo, monkeypatch, drop) -> None:  # type: ignore[no-untyped-def]
+    """The model's generation config penalises repeats (its processors change the scores): the
+    decode loop and the generate fallback both record log-probs of the raw distribution."""
+    model = demo[0]
+    monkeypatch.setattr(model.generation_config, "repetition_penalty", 3.0)
+    gen = GenerationConfig(max_new_tokens=6)
+    logprobs: list[list[float]] = []
+    texts = generate(demo, monkeypatch, gen, drop=drop, micro_batch_size=8, logprobs=logprobs)
+    plain = generate(demo, monkeypatch, gen, drop=drop, micro_batch_size=8)
+    assert texts == plain  # recording changes no token
+    monkeypatch.setattr(model.generation_config, "repetition_penalty", 1.0)
+    assert texts != generate(demo, monkeypatch, gen, micro_batch_size=8), "no penalty effect"
+    assert_logprobs_close(logprobs, raw_logprobs(demo, texts, [len(row) for row in logprobs]))
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_sampling_with_logprobs_and_no_row_seeds_samples(demo, monkeypatch, drop) -> None:  # type: ignore[no-untyped-def]
+    """Log-probs without the caller's row streams: the rows still sample (streams drawn from
+    the seeded global RNG), reproducibly, with the sampled tokens' raw log-probs."""
+    gen = GenerationConfig(max_new_tokens=6, temperature=3.0)
+    runs = []
+    for _ in range(2):
+        logprobs: list[list[float]] = []
+        texts = generate(
+            demo, monkeypatch, gen, drop=drop, micro_batch_size=8, seed=3, logprobs=logprobs
+        )
+        runs.append((texts, logprobs))
+    assert runs[0] == runs[1]
+    texts, logprobs = runs[0]
+    greedy = generate(demo, monkeypatch, GenerationConfig(max_new_tokens=6), micro_batch_size=8)
+    assert texts != greedy
+    assert_logprobs_close(logprobs, raw_logprobs(demo, texts, [len(row) for row in logprobs]))
+
+
+def test_multinomial_sampling_draws_as_generate_does(demo, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Sampling with neither row streams nor log-probs: the decode loop draws with
+    torch.multinomial from the seeded global RNG; one row per micro-batch (nothing to drop),
+    its samples are generate's for the same seed."""
+    gen = GenerationConfig(max_new_tokens=6, temperature=3.0)
+    draws: list[int] = []
+    multinomial = torch.multinomial
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        draws.append(1)
+        return multinomial(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "multinomial", counted)
+        loop = generate(demo, monkeypatch, gen, micro_batch_size=1, seed=4)
+    assert draws  # the loop's multinomial branch ran
+    assert loop == generate(demo, monkeypatch, gen, drop=False, micro_batch_size=1, seed=4)
+    assert loop == generate(demo, monkeypatch, gen, micro_batch_size=1, seed=4)
+    assert loop != generate(demo, monkeypatch, gen, micro_batch_size=1, seed=5)
+    assert loop != generate(
+        demo, monkeypatch, GenerationConfig(max_new_tokens=6), micro_batch_size=1
+    )

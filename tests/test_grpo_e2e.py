@@ -13,16 +13,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import GRPO_SETS
 from tests.test_train_e2e import essa, sets
 
 SMALL = [
-    "algorithm=grpo",
+    *GRPO_SETS,
     "sft.steps=4",
     "data.sft_size=32",
     "data.test_size=40",
     "evaluation.every=2",
-    "grpo.prompts_per_step=4",
-    "grpo.group_size=4",
     "run.show_progress=false",
 ]
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,42 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from essa.config import Config, GenerationConfig, GRPOConfig
+from essa.config import Config, GRPOConfig
 from essa.recipes.grpo import Policy, lr_factor, rollout, token_logprobs
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir: Path) -> tuple[torch.nn.Module, object]:
-    """(peft_model, tokenizer): the tiny Qwen2 with a random (non-zero B) LoRA."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokenizer.padding_side = "left"
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
-    peft_model = get_peft_model(base, lora).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:  # PEFT starts B at 0; a trained adapter has non-zero B
-                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
-    return peft_model, tokenizer
+from tests.conftest import grpo_cfg
 
 
-def small_cfg(**grpo: object) -> Config:
-    return Config(
-        generation=GenerationConfig(max_new_tokens=6),
-        grpo=GRPOConfig(temperature=0.7, **grpo),  # type: ignore[arg-type]
-    )
-
-
-def test_token_logprobs_match_generate_with_left_padding(tiny) -> None:  # type: ignore[no-untyped-def]
-    peft_model, tokenizer = tiny
+def test_token_logprobs_match_generate_with_left_padding(tiny_lora) -> None:  # type: ignore[no-untyped-def]
+    peft_model, tokenizer = tiny_lora
     policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
-    cfg = small_cfg()
+    cfg = grpo_cfg()
     prompts = ["12+7=", "5+93=", "1+1="]  # different lengths: left padding differs per row
     out = rollout(policy, tokenizer, prompts, cfg, seed=3)
     t = out.completion_ids.shape[1]
@@ -73,10 +46,10 @@ def test_token_logprobs_match_generate_with_left_padding(tiny) -> None:  # type:
     assert (entropy[mask] >= 0).all()
 
 
-def test_rollout_mask_stops_after_first_eos(tiny) -> None:  # type: ignore[no-untyped-def]
-    peft_model, tokenizer = tiny
+def test_rollout_mask_stops_after_first_eos(tiny_lora) -> None:  # type: ignore[no-untyped-def]
+    peft_model, tokenizer = tiny_lora
     policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
-    out = rollout(policy, tokenizer, ["3+4="] * 16, small_cfg(), seed=0)
+    out = rollout(policy, tokenizer, ["3+4="] * 16, grpo_cfg(), seed=0)
     eos = out.completion_ids == tokenizer.eos_token_id
     for row in range(16):
         hits = torch.nonzero(eos[row]).flatten()
@@ -88,8 +61,8 @@ def test_rollout_mask_stops_after_first_eos(tiny) -> None:  # type: ignore[no-un
     assert len(out.texts) == 16
 
 
-def test_singular_values_policy_starts_at_the_sft_adapter(tiny) -> None:  # type: ignore[no-untyped-def]
-    peft_model, tokenizer = tiny
+def test_singular_values_policy_starts_at_the_sft_adapter(tiny_lora) -> None:  # type: ignore[no-untyped-def]
+    peft_model, tokenizer = tiny_lora
     ids = tokenizer(["12+34="], return_tensors="pt")["input_ids"]
     with torch.no_grad():
         expected = peft_model(input_ids=ids).logits
@@ -108,11 +81,11 @@ def test_singular_values_policy_starts_at_the_sft_adapter(tiny) -> None:  # type
         assert torch.equal(policy.model(input_ids=ids).logits, moved)  # restored bit-exactly
 
 
-def test_singular_values_export_reproduces_the_policy(tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_singular_values_export_reproduces_the_policy(tiny_lora, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    peft_model, tokenizer = tiny
+    peft_model, tokenizer = tiny_lora
     policy = Policy.build(copy.deepcopy(peft_model), "singular_values", 1.0)
     with torch.no_grad():
         policy.params[0].copy_(0.3 * torch.randn(policy.params[0].shape))
@@ -166,13 +139,13 @@ def test_grpo_refuses_multi_rank_runs(tmp_path: Path) -> None:
         grpo.run(Config(algorithm="grpo"), tmp_path, comm=comm)  # type: ignore[arg-type]
 
 
-def test_rollout_stops_at_the_model_end_of_turn_token(tiny) -> None:  # type: ignore[no-untyped-def]
+def test_rollout_stops_at_the_model_end_of_turn_token(tiny_lora) -> None:  # type: ignore[no-untyped-def]
     """As ESSA's backends do (tests/test_stops.py): a stop id in the model's generation_config
     that is not the tokenizer's EOS ends a rollout row, and the mask keeps it."""
-    peft_model, tokenizer = tiny
+    peft_model, tokenizer = tiny_lora
     model = copy.deepcopy(peft_model)
     policy = Policy.build(model, "lora", 1.0)
-    cfg = small_cfg()
+    cfg = grpo_cfg()
     full = rollout(policy, tokenizer, ["3+4="] * 8, cfg, seed=0)
     end_of_turn = int(full.completion_ids[0, 0])  # row 0's first sampled token
     assert end_of_turn != tokenizer.eos_token_id

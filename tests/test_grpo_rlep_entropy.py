@@ -20,29 +20,10 @@ from essa.recipes import grpo_losses as L
 from essa.recipes import grpo_replay as R
 from essa.recipes.grpo import Policy, _Groups, _training_batch, rollout, temperature_at
 from essa.recipes.grpo_policy import token_logprobs
-from tests.test_grpo_recipe import TARGETS
+from tests.conftest import grpo_cfg
 
 NAN = math.nan
 H_075 = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))  # entropy of (0.75, 0.25): 0.5623
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir: Path) -> tuple[torch.nn.Module, object]:
-    """(peft_model, tokenizer): the tiny Qwen2 with a random (non-zero B) LoRA."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokenizer.padding_side = "left"
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
-    peft_model = get_peft_model(base, lora).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
-    return peft_model, tokenizer
 
 
 def experience(prompt_id: int, *ids: int, reward: float = 1.0) -> R.Experience:
@@ -95,10 +76,10 @@ def test_successes_are_the_rows_at_or_above_min_reward() -> None:
     assert found == [R.Experience(3, (5, 1), 1.0, "a"), R.Experience(4, (8, 8, 8), 1.5, "d")]
 
 
-def test_replayed_rows_score_exactly_as_sampled(tiny) -> None:  # type: ignore[no-untyped-def]
-    peft_model, tokenizer = tiny
+def test_replayed_rows_score_exactly_as_sampled(tiny_lora) -> None:  # type: ignore[no-untyped-def]
+    peft_model, tokenizer = tiny_lora
     policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
-    cfg = Config(generation=GenerationConfig(max_new_tokens=6), grpo=GRPOConfig(temperature=0.7))
+    cfg = grpo_cfg()
     prompts = ["12+7=", "5+93=", "1+1=", "12+7="]
     out = rollout(policy, tokenizer, prompts, cfg, seed=3)
     stored = R.successes(out, torch.ones(4), [0, 1, 2, 0], -math.inf)
@@ -113,8 +94,8 @@ def test_replayed_rows_score_exactly_as_sampled(tiny) -> None:  # type: ignore[n
     assert torch.allclose(a[:, :w][m], b[m], atol=1e-5)
 
 
-def test_training_batch_puts_replays_after_the_fresh_rows(tiny) -> None:  # type: ignore[no-untyped-def]
-    peft_model, tokenizer = tiny
+def test_training_batch_puts_replays_after_the_fresh_rows(tiny_lora) -> None:  # type: ignore[no-untyped-def]
+    peft_model, tokenizer = tiny_lora
     policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
     cfg = Config(generation=GenerationConfig(max_new_tokens=4))
     out = rollout(policy, tokenizer, ["3+4="] * 2 + ["10+20="] * 2, cfg, seed=1)
@@ -161,13 +142,10 @@ def test_era_floor_by_hand() -> None:
     assert torch.equal(L.era_activation(logits, 1.5).argmax(-1), logits.argmax(-1))
 
 
-def test_era_floor_samples_what_the_loss_scores(tiny) -> None:  # type: ignore[no-untyped-def]
-    peft_model, tokenizer = tiny
+def test_era_floor_samples_what_the_loss_scores(tiny_lora) -> None:  # type: ignore[no-untyped-def]
+    peft_model, tokenizer = tiny_lora
     policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
-    cfg = Config(
-        generation=GenerationConfig(max_new_tokens=6),
-        grpo=GRPOConfig(temperature=0.5, entropy=EntropyConfig(floor=2.5)),
-    )
+    cfg = grpo_cfg(temperature=0.5, entropy=EntropyConfig(floor=2.5))
     prompts = ["12+7=", "5+93=", "1+1="]
     out = rollout(policy, tokenizer, prompts, cfg, seed=3)
     t = out.completion_ids.shape[1]
@@ -200,8 +178,8 @@ def test_era_floor_samples_what_the_loss_scores(tiny) -> None:  # type: ignore[n
     assert (entropy[mask] >= 2.5 - 1e-4).all()  # the floor holds at every sampled position
 
 
-def test_entropy_carries_a_gradient_only_for_the_bonus(tiny) -> None:  # type: ignore[no-untyped-def]
-    peft_model, tokenizer = tiny
+def test_entropy_carries_a_gradient_only_for_the_bonus(tiny_lora) -> None:  # type: ignore[no-untyped-def]
+    peft_model, tokenizer = tiny_lora
     policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
     ids = tokenizer(["1+2=3"], return_tensors="pt", add_special_tokens=False)
     plain = token_logprobs(policy.model, ids["input_ids"], ids["attention_mask"], 2, 1.0)
@@ -242,11 +220,11 @@ def test_config_errors(override: str, fragment: str) -> None:
     assert fragment in str(err.value) and "grpo." in str(err.value).split(":")[0]
 
 
-def test_seed_file_keeps_what_the_reward_verifies(tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_seed_file_keeps_what_the_reward_verifies(tiny_lora, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from essa.errors import UserError
     from essa.rewards import get_reward
 
-    _, tokenizer = tiny
+    _, tokenizer = tiny_lora
     path = tmp_path / "seed.jsonl"
     path.write_text(
         '{"prompt": "3+4=", "completion": "7"}\n'

@@ -24,6 +24,7 @@ from essa.protocols import Evaluator, Optimizer
 from essa.recipes import essa_es
 from essa.rewards import Reward
 from essa.types import Example
+from tests.conftest import GRPO_SETS
 from tests.fakes import FakeEvaluator
 
 TRAIN = [Example(prompt=f"{i}+{4 - i}=", answer="4") for i in range(5)]
@@ -285,13 +286,11 @@ def test_progress_interval_from_the_environment() -> None:
 # --------------------------------------------------------------------------- GRPO, real CLI
 
 GRPO = [
-    "algorithm=grpo",
+    *GRPO_SETS,
     "sft.steps=4",
     "data.sft_size=32",
     "data.test_size=40",
     "evaluation.every=0",
-    "grpo.prompts_per_step=4",
-    "grpo.group_size=4",
     "grpo.lr_schedule=constant",  # a schedule over run.generations would differ on resume
     "run.show_progress=false",
     "run.generations=6",

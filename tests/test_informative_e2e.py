@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import GRPO_SETS
 from tests.test_mpi import assert_same_adapter, needs_mpi
 from tests.test_mpi import train as mpi_train
 from tests.test_train_e2e import adapter_tensors, essa, sets
@@ -25,9 +26,7 @@ ON = ["data.selection.name=greso", "data.hints.after=1", "data.hints.format=({hi
 RECIPES = {
     "essa": ["data.batch_size=6", "optimizer.population_size=4"],
     "grpo": [
-        "algorithm=grpo",
-        "grpo.prompts_per_step=4",
-        "grpo.group_size=4",
+        *GRPO_SETS,
         "grpo.lr_schedule=constant",  # a schedule over run.generations differs across lengths
     ],
 }

@@ -104,3 +104,31 @@ def test_quantised_base_merges_into_full_precision(run_dir: Path, tmp_path: Path
     result = export_merged(cfg, run_dir / "adapter", tmp_path / "merged")
     assert result.note is not None and "full-precision base" in result.note
     assert result.dtype == "float32"
+
+
+def test_merged_model_stops_where_generation_stops(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A model with its own end-of-turn id (generation_config.eos_token_id: [1, 5], the
+    tokenizer's EOS being 1): the merged checkpoint stops on both, as the run's generation did."""
+    import shutil
+
+    from essa.adapters.merge_export import export_merged
+    from essa.backends.hf import load_model
+    from essa.backends.stops import stop_token_ids
+    from essa.config import AdapterConfig, load_config
+    from essa.recipes.sft import make_lora_model
+
+    model_dir = tmp_path / "chat-model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(
+        json.dumps({**config, "eos_token_id": [1, 5]})
+    )
+    cfg = load_config(None, [f"model.name_or_path={model_dir}"])
+    model, tokenizer = load_model(cfg.model)
+    stops = stop_token_ids(tokenizer, model.generation_config)  # what generate_texts stops on
+    assert stops == [1, 5]
+    peft_model = make_lora_model(model, AdapterConfig(rank=2))
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    export_merged(cfg, tmp_path / "adapter", tmp_path / "merged")
+    saved = json.loads((tmp_path / "merged" / "generation_config.json").read_text())
+    assert saved["eos_token_id"] == stops

@@ -210,6 +210,60 @@ def test_place_rank_splits_cpu_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     assert place_rank(ModelConfig(), FakeComm(4, 1, 4)).num_threads is None
 
 
+class ReplayComm(LocalComm):
+    """Rank ``rank`` of ``world_size``: every gather returns, in call order, what the one-rank
+    run gathered (all ranks' values) plus this rank's own; with ``record`` it is that run."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, gathered: list | None = None) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.record = gathered is None
+        self.gathered: list[np.ndarray] = [] if gathered is None else list(gathered)
+
+    def _gather(self, local: np.ndarray) -> np.ndarray:
+        if self.record:
+            self.gathered.append(local)
+            return local
+        return np.concatenate([self.gathered.pop(0), local])
+
+    def allgather_fitness(self, local: np.ndarray) -> np.ndarray:
+        return self._gather(np.asarray(local, dtype=np.float64))
+
+    def allgather_keys(self, local: np.ndarray) -> np.ndarray:
+        return self._gather(np.asarray(local, dtype=np.int64))
+
+
+@pytest.mark.parametrize("reward", ["population_vote", "self_confidence"])
+def test_scale_baseline_on_a_rank_without_factors(tiny_model_dir: Path, reward: str) -> None:
+    """The scale baseline's 8 factors on 9 ranks: rank 8 has none; after a held-out call left
+    one candidate's log-probs behind, its choice is still the one-rank run's."""
+    from essa.backends.evaluator import PopulationEvaluator
+    from essa.config import EvaluationConfig, GenerationConfig
+    from essa.recipes.baselines import scale_baseline
+    from essa.rewards import get_reward
+    from essa.types import Example
+    from tests.conftest import svd_setup
+
+    model, tokenizer, adapter = svd_setup(tiny_model_dir)
+    gen = GenerationConfig(max_new_tokens=4)
+    evaluator = PopulationEvaluator(model, tokenizer, adapter, gen, EvaluationConfig())
+    params = {"pool": "population"} if reward == "population_vote" else {}
+    score = get_reward("majority_vote" if params else "self_confidence", **params)
+    evaluator.record_logprobs = not params
+    train = [Example(f"{a}+{b}=", str(a + b)) for a, b in ((1, 2), (3, 4), (12, 9))]
+    prompts = [ex.prompt for ex in train]
+
+    def run(comm: ReplayComm) -> dict[str, float] | None:
+        evaluator.completions(np.zeros((1, adapter.dim)), prompts[:1], greedy=True)  # held-out
+        return scale_baseline(
+            evaluator, adapter, train, prompts, score, 0, lambda x: 0.5, comm=comm
+        )
+
+    one = ReplayComm()
+    want = run(one)
+    assert want is not None
+    assert run(ReplayComm(8, 9, one.gathered)) == want
+
+
 # ------------------------------------------------------------------------- real mpiexec runs
 
 
@@ -297,15 +351,48 @@ def test_resume_with_another_rank_count(
     assert_same_adapter(run_dir, reference)
 
 
+# Rewards that read more than the rank's own texts: the vote gathers every rank's answer keys,
+# self_confidence reads the evaluator's log-probs of the call.
+EMPTY_RANK_REWARDS = {
+    "population_vote": ["reward.name=majority_vote", "reward.params={pool: population}"],
+    "self_confidence": ["reward.name=self_confidence"],
+}
+# Relative tolerance of the fitness: the vote is exact; a log-prob differs in its last float32
+# bits when a rank's batch holds another number of rows (its GEMMs sum in another order).
+EMPTY_RANK_TOLERANCE = {"population_vote": 0.0, "self_confidence": 1e-6}
+
+
+def assert_same_values(got: dict, want: dict, rel: float) -> None:
+    """Equal keys; floats equal within ``rel``, everything else exactly."""
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if isinstance(value, float):
+            assert got[key] == pytest.approx(value, rel=rel, abs=0.0), key
+        else:
+            assert got[key] == value, key
+
+
 @pytest.mark.mpi
 @needs_mpi
-def test_more_ranks_than_candidates(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Population 2 on 3 ranks: rank 2 evaluates nothing but joins every exchange."""
-    run_dir = tmp_path / "run"
+@pytest.mark.parametrize("reward", sorted(EMPTY_RANK_REWARDS))
+def test_more_ranks_than_candidates(tiny_model_dir: Path, tmp_path: Path, reward: str) -> None:
+    """Population 2 on 3 ranks: rank 2 evaluates nothing but joins every exchange, and every
+    fitness (the generation's, the scale baseline's) is the one-process run's."""
     sets = small(tiny_model_dir, "optimizer.population_size=2", "run.generations=1")
-    train(3, "--run-dir", str(run_dir), sets=[*sets, "sft.steps=1", "data.test_size=5"])
-    (record,) = [r for r in generations(run_dir) if r["generation"] == 0]
+    sets += ["sft.steps=1", "data.test_size=5", *EMPTY_RANK_REWARDS[reward]]
+    runs = {ranks: tmp_path / f"ranks-{ranks}" for ranks in (0, 3)}
+    for ranks, run_dir in runs.items():
+        train(ranks, "--run-dir", str(run_dir), sets=sets)
+    (record,) = [r for r in generations(runs[3]) if r["generation"] == 0]
     assert record["world_size"] == 3 and record["mean_fitness"] is not None
+    rel = EMPTY_RANK_TOLERANCE[reward]
+    many, one = trajectory(runs[3]), trajectory(runs[0])
+    assert len(many) == len(one)
+    for got, want in zip(many, one, strict=True):
+        assert_same_values(got, want, rel)
+    scale = [json.loads((d / "summary.json").read_text())["scale_baseline"] for d in runs.values()]
+    assert scale[0] is not None
+    assert_same_values(scale[1], scale[0], rel)
 
 
 @pytest.mark.mpi

@@ -23,7 +23,7 @@ from essa.rewards.prm import (
     process_reward,
     step_ends,
 )
-from tests.conftest import build_char_tokenizer
+from tests.conftest import GRPO_SETS, build_char_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -259,11 +259,7 @@ def test_sequence_head_scores_each_prefix(sequence_prm: Path) -> None:
 def test_train_with_prm_reward_on_demo(tmp_path: Path, token_prm: Path, recipe: str) -> None:
     from tests.test_train_e2e import SMALL, essa, sets
 
-    own = (
-        ["algorithm=grpo", "grpo.prompts_per_step=4", "grpo.group_size=4"]
-        if recipe == "grpo"
-        else []
-    )
+    own = GRPO_SETS if recipe == "grpo" else []
     params = [f"reward.params.prm={token_prm}", "reward.params.prm_weight=0.5",
               "reward.params.aggregate=min", "reward.params.step_delimiter=' '"]  # fmt: skip
     run_dir = tmp_path / recipe
@@ -392,8 +388,7 @@ def test_grpo_trains_with_step_credit_on_demo(tmp_path: Path, token_prm: Path) -
     run_dir = tmp_path / "run"
     res = essa(
         "train", "--run-dir", str(run_dir),
-        *sets(*SMALL, "algorithm=grpo", "grpo.prompts_per_step=4", "grpo.group_size=4",
-              "grpo.prm_credit=step", "reward.name=prm", *params, "run.generations=3",
+        *sets(*SMALL, *GRPO_SETS, "grpo.prm_credit=step", "reward.name=prm", *params, "run.generations=3",
               "evaluation.use_scale_baseline=false"),
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]

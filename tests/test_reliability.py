@@ -142,6 +142,40 @@ def test_out_of_memory_halves_micro_batch_and_retries(
     assert sum("out of memory with micro_batch_size" in r.message for r in caplog.records) == 3
 
 
+def test_out_of_memory_retry_returns_one_set_of_logprobs(setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``merged`` generates per candidate: an out-of-memory error after the first one retries
+    the whole call, and the log-probs are the call's, one list per candidate (not P + 1)."""
+    from essa.backends import evaluator as evaluator_module
+    from essa.backends import hf
+    from essa.backends.evaluator import PopulationEvaluator
+
+    model, tokenizer, adapter = setup
+    x = _population(adapter)[[0, 2]]
+    references = ["15", "52", "2", "198"]
+
+    def evaluate() -> tuple[list[list[str]], list, list]:
+        cfg = EvaluationConfig(strategy="merged", micro_batch_size=8)
+        evaluator = PopulationEvaluator(model, tokenizer, adapter, GenerationConfig(), cfg)
+        evaluator.record_logprobs = True
+        out = evaluator.completions(x, PROMPTS, references=references)
+        return out, evaluator.last_logprobs, evaluator.last_reference_logprobs
+
+    reference = evaluate()
+    calls: list[int] = []
+
+    def second_call_fails(*args, micro_batch_size: int, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(micro_batch_size)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return hf.generate_texts(*args, micro_batch_size=micro_batch_size, **kwargs)
+
+    monkeypatch.setattr(evaluator_module, "generate_texts", second_call_fails)
+    out, logprobs, ref_logprobs = evaluate()
+    assert calls == [8, 8, 4, 4]  # candidate 0, candidate 1 fails; both again at 4
+    assert len(logprobs) == len(ref_logprobs) == len(x)
+    assert (out, logprobs, ref_logprobs) == reference
+
+
 def test_out_of_memory_at_one_sequence_is_a_clear_error(setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from essa.backends import evaluator as evaluator_module
     from essa.backends.evaluator import PopulationEvaluator

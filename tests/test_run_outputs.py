@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from essa.rewards import get_reward
+from tests.conftest import GRPO_SETS
 from tests.test_train_e2e import essa, sets
 
 TINY = [
@@ -27,7 +28,7 @@ TINY = [
     "evaluation.metric=exact_match",
 ]
 ESSA = ["data.batch_size=8", "optimizer.population_size=4"]
-GRPO = ["algorithm=grpo", "grpo.prompts_per_step=4", "grpo.group_size=4"]
+GRPO = GRPO_SETS
 SAMPLE_KEYS = {"generation", "prompt", "completion", "extracted", "reference", "reward"}
 
 

@@ -3,9 +3,10 @@ checkpoint that transformers and vLLM load without PEFT.
 
 OUT holds ``model.safetensors`` (W0 + gamma * B A in every adapted linear, PEFT's own merge),
 ``config.json``, the tokenizer files and a ``generation_config.json`` with the run's decoding
-(greedy by default). A quantised base (``model.quantization`` int8/int4) cannot hold an exact
-merge, so the adapter is merged into the full-precision base instead, and the result says so.
-The directory is written to a temporary sibling and renamed into place.
+(greedy by default, stopping on the same tokens as the run's generation). A quantised base
+(``model.quantization`` int8/int4) cannot hold an exact merge, so the adapter is merged into the
+full-precision base instead, and the result says so. The directory is written to a temporary
+sibling and renamed into place.
 """
 
 from __future__ import annotations
@@ -28,10 +29,19 @@ class MergedExport:
     note: str | None  # e.g. "merged into the full-precision base (the run used int4)"
 
 
-def generation_config(gen: GenerationConfig, tokenizer: Any) -> Any:
-    """The run's decoding as a transformers GenerationConfig (greedy when temperature is 0)."""
+def generation_config(gen: GenerationConfig, tokenizer: Any, model_config: Any = None) -> Any:
+    """The run's decoding as a transformers GenerationConfig (greedy when temperature is 0).
+
+    It stops where the run's generation stopped (essa.backends.stops): on the tokenizer's EOS
+    and the base model's own stop ids (``model_config``, its GenerationConfig), so a chat
+    model's end-of-turn token still ends a reply of the merged model.
+    """
     from transformers import GenerationConfig as HFGenerationConfig
 
+    from essa.backends.stops import stop_token_ids
+
+    stops = stop_token_ids(tokenizer, model_config)
+    eos: int | list[int] | None = stops if len(stops) > 1 else (stops[0] if stops else None)
     sampling = gen.temperature > 0
     return HFGenerationConfig(
         do_sample=sampling,
@@ -39,7 +49,7 @@ def generation_config(gen: GenerationConfig, tokenizer: Any) -> Any:
         top_p=gen.top_p if sampling else None,
         # auto is resolved per run (essa.plan): the run's summary holds the number it used
         max_new_tokens=gen.max_new_tokens if isinstance(gen.max_new_tokens, int) else None,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )
@@ -77,7 +87,9 @@ def export_merged(cfg: Config, adapter_dir: Path, out_dir: Path) -> MergedExport
     model_cfg = dataclasses.replace(model_cfg, device="cpu")  # the merge needs no accelerator
     base, tokenizer = load_model(model_cfg)
     merged = merge_adapter(base, adapter_dir)
-    merged.generation_config = generation_config(cfg.generation, tokenizer)
+    merged.generation_config = generation_config(
+        cfg.generation, tokenizer, merged.generation_config
+    )
     with atomic_dir(out_dir) as tmp:
         merged.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))

@@ -175,6 +175,19 @@ class SVDAdapter:
         ]
         return torch.cat(parts).numpy().astype(np.float64)
 
+    def searchable(self) -> np.ndarray:
+        """(D,) bool: the coordinates a relative step can move, with an effect.
+
+        A zero singular value has a zero relative step; and where a module's gamma, A or B is
+        zero, B'A' stays zero whatever the other factor's values: its coordinates move nothing.
+        """
+        parts = []
+        for module in self.modules:
+            alive = module.gamma != 0 and bool(module.s_a[0] > 0) and bool(module.s_b[0] > 0)
+            values = torch.cat([module.s_a[: module.k], module.s_b[: module.k]])  # (2k,)
+            parts.append((values > 0).numpy() & alive)
+        return np.concatenate(parts)
+
     def manifest(self) -> dict[str, Any]:
         """JSON-able description of the search-vector layout."""
         return {

@@ -345,6 +345,9 @@ class PopulationEvaluator:
         flags: list[bool] = []
         token_ids = self.token_ids(prompts)
         refs = self._references(len(prompts))
+        # Kept apart until every candidate is done: an out-of-memory retry runs them all again.
+        all_logprobs: list[list[list[float]]] = []
+        all_ref_logprobs: list[list[list[float]]] = []
         for vector in population:
             guard = self._guard(len(prompts))
             logprobs: list[list[float]] | None = [] if self.record_logprobs else None
@@ -367,10 +370,12 @@ class PopulationEvaluator:
                     reference_logprobs=ref_logprobs,
                 )
             if logprobs is not None:
-                self.last_logprobs.append(logprobs)
+                all_logprobs.append(logprobs)
             if ref_logprobs is not None:
-                self.last_reference_logprobs.append(ref_logprobs)
+                all_ref_logprobs.append(ref_logprobs)
             out.append(texts)
             flags.append(bool(guard.rows.any()))
             tokens += new
+        self.last_logprobs.extend(all_logprobs)
+        self.last_reference_logprobs.extend(all_ref_logprobs)
         return out, tokens, flags

@@ -12,6 +12,7 @@ top of them (PopulationLinear, PEFT LoRA), so the base weights are never modifie
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import pickle
@@ -335,9 +336,15 @@ def generate_texts(
     if row_candidates is None:
         row_candidates = torch.zeros(len(prompts), dtype=torch.long)
     row_candidates = torch.as_tensor(row_candidates, dtype=torch.long).cpu()  # (N,)
-    crn = row_seeds is not None and gen.temperature > 0
-    if seed is not None and gen.temperature > 0 and not crn:
+    sampling = gen.temperature > 0
+    if seed is not None and sampling and row_seeds is None:
         torch.manual_seed(seed)  # sampling draws from the global torch RNG, as in HF generate
+    if sampling and row_seeds is None and logprobs is not None:
+        # Recording log-probs takes the picker, which samples from per-row streams only: give
+        # the rows streams drawn from that same global RNG (never a greedy picker that would
+        # silently turn sampling into argmax).
+        row_seeds = torch.randint(-(2**63), 2**63 - 1, (len(prompts),)).tolist()
+    crn = row_seeds is not None and sampling
     encoded = (
         list(token_ids)
         if token_ids is not None
@@ -346,6 +353,7 @@ def generate_texts(
     stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     # A picker samples or records log-probs itself: the processors must then stay greedy.
     picking = crn or logprobs is not None
+    assert crn or not (picking and sampling), "a greedy picker would not sample"
     kwargs = _generate_kwargs(_greedy(gen) if crn else gen, tokenizer, stops)
     seeds = None if row_seeds is None else torch.as_tensor(list(row_seeds), dtype=torch.long)
     prefix_len = shared_prefix_length(encoded) if use_prefix_cache else 0
@@ -433,28 +441,56 @@ def _generate(
     from transformers import LogitsProcessorList
 
     processors = LogitsProcessorList() if guard is None else guard.processors(start, stop)
+    raw: list[torch.Tensor] = []  # the model's own logits of the current step, (B, V)
+    hook = None
     if picker is not None:
-        processors.append(_PickerProcessor(picker, input_ids.shape[1]))
+        processors.append(_PickerProcessor(picker, input_ids.shape[1], raw, guard))
+        hook = model.register_forward_hook(functools.partial(_keep_last_logits, raw))
     extra: dict[str, Any] = {"logits_processor": processors} if processors else {}
     if cache is not None:
         extra[cache_argument(model)] = cache
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **extra, **kwargs)
+    try:
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **extra, **kwargs)
+    finally:
+        if hook is not None:
+            hook.remove()
     if guard is not None:
         guard.flush()
     return out[:, input_ids.shape[1] :].cpu()
 
 
-class _PickerProcessor:
-    """For ``generate``: the picker's token becomes the only choice of greedy decoding."""
+def _keep_last_logits(raw: list[torch.Tensor], module: Any, args: Any, output: Any) -> None:
+    """Forward hook: keep the last position's logits, as float32 (as ``generate`` casts them)."""
+    raw[:] = [output.logits[:, -1].to(dtype=torch.float32, copy=True)]
 
-    def __init__(self, picker: RowPicker, prompt_width: int) -> None:
+
+class _PickerProcessor:
+    """For ``generate``: the picker's token becomes the only choice of greedy decoding.
+
+    ``generate`` hands a processor the scores after its own processors (repetition penalty,
+    ...); the picker records log-probs of the model's raw distribution, as in ``decode_rows``,
+    so it reads the step's logits that the forward hook kept in ``raw``.
+    """
+
+    def __init__(
+        self,
+        picker: RowPicker,
+        prompt_width: int,
+        raw: list[torch.Tensor],
+        guard: NonFiniteGuard | None,
+    ) -> None:
         self.picker = picker
         self.prompt_width = prompt_width
+        self.raw = raw
+        self.guard = guard
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.prompt_width
         origin = torch.arange(scores.shape[0])
-        tokens = self.picker.pick(scores, scores, origin, step)  # (B,)
+        logits = self.raw[0].to(scores.device)  # (B, V)
+        if self.guard is not None:  # non-finite rows: EOS only, as decode_rows hands them over
+            _, logits = self.guard.check(logits)
+        tokens = self.picker.pick(logits, scores, origin, step)  # (B,)
         only = torch.full_like(scores, float("-inf"))
         return only.scatter_(1, tokens[:, None].to(scores.device), 0.0)
 

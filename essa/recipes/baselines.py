@@ -65,11 +65,9 @@ def scale_baseline(
     answers = [train[i].answer for i in idx]
     population = np.stack([scale_vector(adapter, f) for f in SCALE_FACTORS])  # (8, D)
     mine = population[shard(len(population), comm.rank, comm.world_size)]
-    texts = (
-        evaluator.completions(mine, batch, seed=seed, progress=progress, samples=samples)
-        if len(mine)
-        else []
-    )
+    # Called on a rank with no factor too (more ranks than factors): it returns no texts and
+    # clears the evaluator's per-call outputs (log-probs) the reward reads after it.
+    texts = evaluator.completions(mine, batch, seed=seed, progress=progress, samples=samples)
     graded, _ = scores(
         reward, evaluator, texts, answers, batch, population=mine, samples=samples, comm=comm
     )

@@ -91,6 +91,7 @@ def run(
             cfg, model, tokenizer, task, h, budget.sft_limit(cfg, tokenizer, task)
         )
         adapter = common.svd_adapter(peft_model, cfg.adapter.alpha)
+        common.check_searchable(cfg, adapter, sft_dir)  # before the baseline passes
         base = None if vllm else peft_model.unload()  # the engine loads its own copy of the base
         del model, peft_model
         evaluator = population_evaluator(cfg, base, tokenizer, adapter, h.comm.world_size)
@@ -215,7 +216,11 @@ def _tell(
     if not (cfg.optimizer.escape_flat_reward and pool.get("reward_flat")):
         return opt.tell(population, fitness)
     from essa.optimizers.cma_es import CMAES
+    from essa.optimizers.subspace import Subspace
 
+    if isinstance(opt, Subspace):  # zero singular values held fixed around the CMA-ES
+        assert isinstance(opt.inner, CMAES)
+        return opt.tell(population, fitness, flat=True)
     assert isinstance(opt, CMAES)
     return opt.tell(population, fitness, flat=True)
 

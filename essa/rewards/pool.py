@@ -69,11 +69,19 @@ def answer_key(completion: str, *, use_last_number: bool = True) -> int:
 def answer_keys(
     completions: Sequence[Sequence[str]], *, use_last_number: bool = True
 ) -> np.ndarray:
-    """Keys of completions[candidate][item]: (p, M) int64 for this rank's p candidates."""
+    """Keys of completions[candidate][item]: (p, M) int64 for this rank's p candidates.
+
+    A rank with no candidates (more ranks than candidates) has p = 0 and, with no row to read
+    M from, M = 0: ``(0, 0)`` reshapes to any ``(0, M)``.
+
+    >>> answer_keys([]).shape, answer_keys([["7"], ["x"]]).shape
+    ((0, 0), (2, 1))
+    """
+    items = len(completions[0]) if len(completions) else 0
     return np.array(
         [[answer_key(t, use_last_number=use_last_number) for t in row] for row in completions],
         dtype=np.int64,
-    ).reshape(len(completions), -1)
+    ).reshape(len(completions), items)
 
 
 def population_majority(keys: np.ndarray, groups: Sequence[Sequence[int]]) -> np.ndarray:
