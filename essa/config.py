@@ -599,6 +599,23 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
 MAX_SEED = 2**32 - 1
 
 
+def key_location(path: str | Path | None, overrides: typing.Sequence[str], key: str) -> str:
+    """Where ``key`` of the config :func:`load_config` built from ``path`` and ``overrides`` was
+    set, as its errors say it: ``--set KEY``, ``FILE:LINE``, or ``FILE`` (``<default>``)."""
+    if any(parse_override(text)[0] == key.split(".") for text in overrides):
+        return f"--set {key}"
+    if path is None:
+        return "<default>"
+    lines: dict[str, int] = {}
+    try:
+        node = yaml.compose(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
+        node = None  # it loaded a moment ago; without it, the file alone
+    if node is not None:
+        _line_map(node, "", lines)
+    return _where(str(path), lines, key)
+
+
 def check_values(cfg: Config) -> None:
     """Range checks that types cannot express."""
     positive = {

@@ -82,6 +82,24 @@ def render_prompts(
         raise UserError(f"data.template: {err}") from None
 
 
+def check_prompt_template(cfg: Config) -> None:
+    """Refuse ``data.template`` (and ``data.system_prompt``) when the model's tokenizer cannot
+    render it, before the model loads: the tokenizer alone loads in about a second, a GGUF not
+    converted yet is read for its header only. A real tokenizer renders one question, so that a
+    chat template that fails on its own (e.g. no system role) is caught here too."""
+    from essa.backends.hf import template_tokenizer
+    from essa.data.templates import check_template, render_prompt
+
+    d = cfg.data
+    tokenizer = template_tokenizer(cfg.model)
+    try:
+        check_template(d.template, tokenizer, d.system_prompt)
+        if hasattr(tokenizer, "apply_chat_template"):  # a real tokenizer, not a GGUF header
+            render_prompt(d.template, "1+1=", tokenizer, d.system_prompt)
+    except ValueError as err:
+        raise UserError(f"data.template: {err} ({cfg.model.name_or_path})") from None
+
+
 def render_splits(task: Task, data: DataConfig, tokenizer: Any) -> tuple[list[str], list[str]]:
     """(train prompts, test prompts) in ``data.template`` with ``data.system_prompt``."""
     return (
