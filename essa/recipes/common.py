@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from essa import seeding
 from essa.config import Config, DataConfig
 from essa.errors import UserError
 from essa.types import AdapterVector, Example
@@ -56,11 +57,11 @@ def load_task(cfg: DataConfig, seed: int) -> Task:
             split=cfg.split,
             params=cfg.params,
         )
-        order = np.random.default_rng(np.random.SeedSequence([seed, 7])).permutation(len(examples))
+        order = seeding.rng(seed, "data.test_split").permutation(len(examples))
         shuffled = [examples[i] for i in order]
         test, pool = shuffled[: cfg.test_size], shuffled[cfg.test_size :]
     # The SFT/train cut depends on the run seed: one SFT adapter per (task, seed).
-    order = np.random.default_rng(np.random.SeedSequence([seed, 8])).permutation(len(pool))
+    order = seeding.rng(seed, "data.sft_split").permutation(len(pool))
     pool = [pool[i] for i in order]
     sft, train = pool[: cfg.sft_size], pool[cfg.sft_size :][: cfg.train_size]
     if not train:

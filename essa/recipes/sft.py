@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from essa import seeding
 from essa.config import AdapterConfig, SFTConfig
 from essa.errors import UserError
 from essa.types import Example
@@ -93,7 +93,7 @@ def train_sft(
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, _cosine(cfg.steps, cfg.lr_warmup_steps))
-    rng = np.random.default_rng(np.random.SeedSequence([seed, 1]))
+    rng = seeding.rng(seed, "sft.batches")
     order: list[int] = []
     losses: list[float] = []
     peft_model.train()
