@@ -397,8 +397,9 @@ def export(
     cfg = load_config(run_dir / "config.yaml")
     adapter_dir = adapter or run_dir / "adapter"
     if not (adapter_dir / "adapter_config.json").is_file():  # before the base model loads
+        option = "--adapter " if adapter is not None else ""
         raise UserError(
-            f"--adapter {adapter_dir}: not a PEFT adapter directory (no adapter_config.json)"
+            f"{option}{adapter_dir}: not a PEFT adapter directory (no adapter_config.json)"
         )
     from essa.rundir import check_output
 

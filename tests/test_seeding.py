@@ -105,6 +105,14 @@ def test_random_reward_draws_at_keys_whatever_the_call_order() -> None:
     assert 0.3 < sum(whole) / n < 0.7  # distinct keys, independent draws
 
 
+def test_a_negative_reward_seed_is_refused_when_built() -> None:
+    from essa.rewards import get_reward
+
+    for name, params in (("random", {}), ("noisy", {"flip_prob": 0.5})):
+        with pytest.raises(ValueError, match="seed must be a non-negative integer, got -1"):
+            get_reward(name, seed=-1, **params)
+
+
 def test_noisy_flips_a_group_at_its_key() -> None:
     from essa.rewards import get_reward
 

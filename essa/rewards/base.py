@@ -258,6 +258,12 @@ class KeyedReward(Reward):
         )
 
 
+def check_seed(seed: object) -> None:
+    """A random reward's ``seed`` parameter: a non-negative integer (ValueError otherwise)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+
+
 def score(
     reward: Reward,
     completions: list[str],
@@ -349,6 +355,7 @@ def noisy(reward: Reward, flip_prob: float, seed: int = 0, name: str | None = No
         raise ValueError(f"flip_prob must be in [0, 1], got {flip_prob}")
     if not isinstance(reward, Reward):
         raise TypeError(f"noisy expects a Reward, got {type(reward).__name__}")
+    check_seed(seed)
     reward.check_callable()
 
     def flipped(

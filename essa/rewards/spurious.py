@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from essa import seeding
 from essa.rewards.accuracy import MathVerifier, count_grades
-from essa.rewards.base import DrawKey, KeyedScoreFn, RewardStats, ScoreFn
+from essa.rewards.base import DrawKey, KeyedScoreFn, RewardStats, ScoreFn, check_seed
 
 
 def random_reward(stats: RewardStats, *, p: float = 0.5, seed: int = 0) -> KeyedScoreFn:
@@ -24,6 +24,7 @@ def random_reward(stats: RewardStats, *, p: float = 0.5, seed: int = 0) -> Keyed
     """
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"p must be in [0, 1], got {p}")
+    check_seed(seed)
 
     def score(
         completions: list[str], answers: list[str | None], prompts: list[str], keys: list[DrawKey]
