@@ -473,7 +473,9 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; a ``--grpo-seeds`` seed that is not in ``--seeds`` is a usage error (GRPO
+    starts from that seed's ESSA run, so it would silently not run)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
@@ -506,7 +508,18 @@ def main() -> None:
         default="real_model",
         help="write bench/results/OUT.json and OUT.md (a partial run keeps the main table)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    missing = sorted(set(args.grpo_seeds or ()) - set(args.seeds))
+    if missing:
+        parser.error(
+            f"--grpo-seeds {' '.join(map(str, missing))}: not in --seeds "
+            f"{' '.join(map(str, args.seeds))} (GRPO runs on an ESSA seed's own SFT adapter)"
+        )
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     result: dict[str, Any] = {"config": str(CONFIG), "overrides": args.overrides, "tasks": {}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     for task in args.tasks:

@@ -17,7 +17,14 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from essa.config import Config, ConfigError, dump_config, load_config, tiny_sft_warning
+from essa.config import (
+    Config,
+    ConfigError,
+    dump_config,
+    key_location,
+    load_config,
+    tiny_sft_warning,
+)
 from essa.errors import UserError
 
 app = typer.Typer(
@@ -108,6 +115,18 @@ def _resolve(config: Path | None, overrides: list[str] | None) -> Config:
     return load_config(config, overrides or ())
 
 
+def _check_before_load(cfg: Config, config: Path | None, overrides: list[str] | None) -> None:
+    """What needs the tokenizer (data.template), checked before any model loads or anything is
+    written; the error names where the key was set, as config errors do."""
+    from essa.recipes.common import check_prompt_template
+
+    try:
+        check_prompt_template(cfg)
+    except UserError as err:
+        key = str(err).split(":", 1)[0]
+        raise UserError(f"{key_location(config, overrides or (), key)}: {err}") from None
+
+
 @app.command()
 @guarded
 def train(
@@ -133,7 +152,8 @@ def train(
             typer.echo(
                 f"note: resuming with the config saved in {resume}; {config} is not read", err=True
             )
-        cfg = load_config(resume / "config.yaml", set_ or ())
+        config = resume / "config.yaml"
+        cfg = load_config(config, set_ or ())
         directory = resume
     else:
         cfg = _resolve(config, set_)
@@ -143,11 +163,9 @@ def train(
 
     progress_interval()  # a bad ESSA_PROGRESS_SECONDS fails before the run directory is made
     if comm.rank == 0:  # the others wait: rank 0 alone creates, checks or replaces it
+        _check_before_load(cfg, config, set_)  # also: a missing model is its error line alone
         warning = tiny_sft_warning(cfg)
         if warning is not None and resume is None:
-            from essa.backends.hf import resolve_model_path
-
-            resolve_model_path(cfg.model.name_or_path)  # a missing model: its error line alone
             typer.echo(warning, err=True)
         prepare_run_dir(directory, resume=resume is not None, overwrite=overwrite)
         if resume is None:  # at once, so that a kill at any later moment can be resumed
@@ -213,6 +231,7 @@ def sft(
     directory = run_dir or Path(cfg.run.dir)
     if cfg.adapter.path is not None:
         raise UserError("adapter.path is set: `essa sft` trains a new adapter; unset it")
+    _check_before_load(cfg, config, set_)
     warning = tiny_sft_warning(cfg)
     if warning is not None:
         typer.echo(warning, err=True)
@@ -265,19 +284,25 @@ def evaluate(
         raise UserError(
             "--samples K > 1 needs sampling: --set generation.temperature=0.7 (for example)"
         )
+    if output is not None:  # both files land in one directory: checked before any work
+        from essa.rundir import check_output
+
+        check_output(output, "--output")
+        check_output(items_path(output), "--output")
+    _check_before_load(cfg, config, set_)
     seed_everything(cfg.run.seed)
     task = load_task(cfg.data, cfg.run.seed)
     metric, reward = heldout_metric(cfg)
     check_heldout_answers(metric, task.test)
+    if adapter is not None and not (adapter / "adapter_config.json").exists():
+        raise UserError(
+            f"--adapter {adapter}: not a PEFT adapter directory (no adapter_config.json)"
+        )
     model, tokenizer = load_model(cfg.model)
     from essa.recipes.common import resolve_lengths
 
     cfg, _ = resolve_lengths(cfg, tokenizer, task, lambda line: typer.echo(line, err=True))
     if adapter is not None:
-        if not (adapter / "adapter_config.json").exists():
-            raise UserError(
-                f"--adapter {adapter}: not a PEFT adapter directory (no adapter_config.json)"
-            )
         from essa.recipes.common import load_peft_adapter
 
         model = load_peft_adapter(model, str(adapter), "--adapter").eval()
@@ -376,7 +401,16 @@ def export(
     if merged.exists() and not overwrite:
         raise UserError(f"{merged} exists; pass --overwrite to replace it")
     cfg = _with_run_lengths(load_config(run_dir / "config.yaml"), run_dir)
-    result = export_merged(cfg, adapter or run_dir / "adapter", merged)
+    adapter_dir = adapter or run_dir / "adapter"
+    if not (adapter_dir / "adapter_config.json").is_file():  # before the base model loads
+        option = "--adapter " if adapter is not None else ""
+        raise UserError(
+            f"{option}{adapter_dir}: not a PEFT adapter directory (no adapter_config.json)"
+        )
+    from essa.rundir import check_output
+
+    check_output(merged, "--merged", directory=True)
+    result = export_merged(cfg, adapter_dir, merged)
     if result.note:
         typer.echo(f"note: {result.note}", err=True)
     typer.echo(
@@ -411,7 +445,9 @@ def compare(
 ) -> None:
     """Compare ESSA and GRPO runs: a Markdown table and accuracy/reward curves (PNG)."""
     from essa.compare import compare as write_comparison
+    from essa.rundir import check_output
 
+    check_output(output, "--output", directory=True)
     text = write_comparison(run_dirs, output, target)
     typer.echo(text)
     typer.echo(f"\nwrote {output / 'compare.md'} and {output / 'compare.png'}")

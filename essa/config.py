@@ -172,7 +172,7 @@ class GenerationConfig:
     # demo: 8 ("a+b=" answers)
     max_new_tokens: int | Literal["auto"] = "auto"
     temperature: float = 0.0  # 0 = greedy (the project default: all variation from parameters)
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling, in (0, 1]; 1 keeps the whole distribution
     # ESSA: completions per (candidate, prompt), sampled under common random numbers; group
     # rewards (TTRL majority vote, EMPO) vote among a candidate's k samples of a prompt.
     samples_per_prompt: int = 1
@@ -211,7 +211,7 @@ class EvaluationConfig:
 class RunConfig:
     dir: str = "runs/essa-demo"
     generations: int = 150
-    seed: int = 0
+    seed: int = 0  # 0 .. 2**32 - 1 (numpy's and vLLM's seeds are 32-bit)
     max_wall_seconds: float | None = None  # stop before a generation would end past this budget
     # ESSA (HF backend) with max_wall_seconds: size SFT, held-out checks, the scaled start and
     # prompts per generation so that the search gets most of the budget (essa.plan)
@@ -608,18 +608,42 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     return cfg
 
 
+# run.seed feeds numpy's legacy and vLLM's seeds, which take 32 bits; torch takes 64.
+MAX_SEED = 2**32 - 1
+
+
+def key_location(path: str | Path | None, overrides: typing.Sequence[str], key: str) -> str:
+    """Where ``key`` of the config :func:`load_config` built from ``path`` and ``overrides`` was
+    set, as its errors say it: ``--set KEY``, ``FILE:LINE``, or ``FILE`` (``<default>``)."""
+    if any(parse_override(text)[0] == key.split(".") for text in overrides):
+        return f"--set {key}"
+    if path is None:
+        return "<default>"
+    lines: dict[str, int] = {}
+    try:
+        node = yaml.compose(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
+        node = None  # it loaded a moment ago; without it, the file alone
+    if node is not None:
+        _line_map(node, "", lines)
+    return _where(str(path), lines, key)
+
+
 def check_values(cfg: Config) -> None:
     """Range checks that types cannot express."""
     positive = {
-        "optimizer.population_size": cfg.optimizer.population_size,
         "optimizer.sigma0": cfg.optimizer.sigma0,
+        "optimizer.lr": cfg.optimizer.lr,
         "adapter.rank": cfg.adapter.rank,
+        "adapter.lora_alpha": cfg.adapter.lora_alpha,
         "data.batch_size": cfg.data.batch_size,
         "generation.max_new_tokens": (
             1 if cfg.generation.max_new_tokens == "auto" else cfg.generation.max_new_tokens
         ),
         "evaluation.micro_batch_size": cfg.evaluation.micro_batch_size,
         "sft.batch_size": cfg.sft.batch_size,
+        "sft.lr": cfg.sft.lr,
+        "sft.max_length": cfg.sft.max_length,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -627,6 +651,9 @@ def check_values(cfg: Config) -> None:
     nonneg = {
         "run.generations": cfg.run.generations,
         "sft.steps": cfg.sft.steps,
+        "sft.weight_decay": cfg.sft.weight_decay,
+        "sft.lr_warmup_steps": cfg.sft.lr_warmup_steps,
+        "optimizer.sep_above_dim": cfg.optimizer.sep_above_dim,
         "evaluation.every": cfg.evaluation.every,
         "data.test_size": cfg.data.test_size,
         "data.sft_size": cfg.data.sft_size,
@@ -634,10 +661,9 @@ def check_values(cfg: Config) -> None:
     for key, value in nonneg.items():
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
+    _check_run(cfg)
     if cfg.data.train_size is not None and cfg.data.train_size < 1:
         raise ConfigError(f"data.train_size: must be >= 1 or null, got {cfg.data.train_size}")
-    if len(set(cfg.run.report_to)) != len(cfg.run.report_to):
-        raise ConfigError(f"run.report_to: a tracker is named twice: {list(cfg.run.report_to)}")
     if cfg.reward.timeout_seconds is not None and not cfg.reward.timeout_seconds > 0:
         raise ConfigError(f"reward.timeout_seconds: must be > 0, got {cfg.reward.timeout_seconds}")
     if not 0.0 < cfg.adapter.alpha <= 1.0:
@@ -666,6 +692,8 @@ def check_values(cfg: Config) -> None:
     _check_sft_adapter(cfg)
     if cfg.generation.temperature < 0:
         raise ConfigError("generation.temperature: must be >= 0")
+    if not 0.0 < cfg.generation.top_p <= 1.0:
+        raise ConfigError(f"generation.top_p: must be in (0, 1], got {cfg.generation.top_p}")
     if cfg.generation.samples_per_prompt < 1:
         raise ConfigError("generation.samples_per_prompt: must be >= 1")
     if cfg.generation.samples_per_prompt > 1 and cfg.generation.temperature == 0:
@@ -711,6 +739,24 @@ def _check_sft_adapter(cfg: Config) -> None:
         )
 
 
+def _check_run(cfg: Config) -> None:
+    """The run's seed, budget and trackers; the model's thread count; the population."""
+    r = cfg.run
+    if not 0 <= r.seed <= MAX_SEED:
+        raise ConfigError(f"run.seed: must be an integer in [0, {MAX_SEED}], got {r.seed}")
+    if r.max_wall_seconds is not None and r.max_wall_seconds <= 0:
+        raise ConfigError(f"run.max_wall_seconds: must be > 0 (or null), got {r.max_wall_seconds}")
+    if len(set(r.report_to)) != len(r.report_to):
+        raise ConfigError(f"run.report_to: a tracker is named twice: {list(r.report_to)}")
+    if cfg.model.num_threads is not None and cfg.model.num_threads < 1:
+        raise ConfigError(f"model.num_threads: must be >= 1 (or null), got {cfg.model.num_threads}")
+    if cfg.optimizer.population_size < 2:
+        raise ConfigError(
+            f"optimizer.population_size: must be >= 2 (ES ranks candidates), got "
+            f"{cfg.optimizer.population_size}"
+        )
+
+
 def _check_data(cfg: Config) -> None:
     d = cfg.data
     _check_informative(d.selection, d.hints)
@@ -732,7 +778,10 @@ def _check_data(cfg: Config) -> None:
 
 
 def _check_informative(s: SelectionConfig, h: HintConfig) -> None:
-    if not 0.0 < s.explore_min <= s.explore_init <= s.explore_max <= 1.0:
+    for key in ("explore_min", "explore_init", "explore_max"):
+        if not 0.0 < getattr(s, key) <= 1.0:
+            raise ConfigError(f"data.selection.{key}: must be in (0, 1], got {getattr(s, key)}")
+    if not s.explore_min <= s.explore_init <= s.explore_max:
         raise ConfigError(
             "data.selection: need 0 < explore_min <= explore_init <= explore_max <= 1, got "
             f"{s.explore_min}, {s.explore_init}, {s.explore_max}"
@@ -790,6 +839,7 @@ def _check_reference_weight(cfg: Config) -> None:
 
 def _check_vllm(cfg: Config) -> None:
     v = cfg.vllm
+    _check_vllm_ranges(v)
     if cfg.backend != "vllm":
         return
     if cfg.algorithm != "essa":
@@ -810,6 +860,10 @@ def _check_vllm(cfg: Config) -> None:
             f"vllm.quantization: {v.quantization} is gone from recent vLLM; INT4 on vLLM means "
             "a pre-quantised AWQ/GPTQ checkpoint (or fp8, compressed-tensors)"
         )
+
+
+def _check_vllm_ranges(v: VLLMConfig) -> None:
+    """Checked whatever the backend: a value out of range is a typo even where unused."""
     if not 0.0 < v.gpu_memory_utilization <= 1.0:
         raise ConfigError(
             f"vllm.gpu_memory_utilization: must be in (0, 1], got {v.gpu_memory_utilization}"
@@ -949,8 +1003,12 @@ def _check_dpo(d: DPOConfig) -> None:
         raise ConfigError(
             f"dpo.samples_per_prompt: must be >= 2 (a pair), got {d.samples_per_prompt}"
         )
-    if d.weight_decay < 0 or d.max_grad_norm < 0:
-        raise ConfigError("dpo.weight_decay, dpo.max_grad_norm: must be >= 0")
+    for key, value in (
+        ("dpo.weight_decay", d.weight_decay),
+        ("dpo.max_grad_norm", d.max_grad_norm),
+    ):
+        if value < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {value}")
     if not 0.0 <= d.label_smoothing < 0.5:
         raise ConfigError(f"dpo.label_smoothing: must be in [0, 0.5), got {d.label_smoothing}")
     if d.label_smoothing and d.loss != "sigmoid":
@@ -968,12 +1026,25 @@ def _check_scalebio(cfg: Config) -> None:
     for name, path in sources.items():
         if not isinstance(path, str) or not path:
             raise ConfigError(f"data.sources.{name}: expected a file path or builtin:NAME")
+    _check_scalebio_ranges(s)
     if cfg.algorithm != "scalebio":
         return
     if len(sources) < 2:
         raise ConfigError(
             f"data.sources: scalebio reweights two or more sources (name: path), got {len(sources)}"
         )
+    if cfg.data.sft_size < 1:
+        raise ConfigError(
+            "data.sft_size: scalebio validates on the sft split of data.source; must be >= 1"
+        )
+    if cfg.adapter.path is not None:
+        raise ConfigError(
+            "adapter.path: scalebio fine-tunes the base weights with LISA and takes no LoRA "
+            "adapter; merge it into the model first (essa export --merged) or drop adapter.path"
+        )
+
+
+def _check_scalebio_ranges(s: ScaleBiOConfig) -> None:
     positive = {
         "scalebio.batch_size": s.batch_size,
         "scalebio.lr": s.lr,
@@ -984,17 +1055,12 @@ def _check_scalebio(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}: must be > 0, got {value}")
-    if s.weight_decay < 0 or s.max_grad_norm < 0:
-        raise ConfigError("scalebio.weight_decay, scalebio.max_grad_norm: must be >= 0")
-    if cfg.data.sft_size < 1:
-        raise ConfigError(
-            "data.sft_size: scalebio validates on the sft split of data.source; must be >= 1"
-        )
-    if cfg.adapter.path is not None:
-        raise ConfigError(
-            "adapter.path: scalebio fine-tunes the base weights with LISA and takes no LoRA "
-            "adapter; merge it into the model first (essa export --merged) or drop adapter.path"
-        )
+    for key, value in (
+        ("scalebio.weight_decay", s.weight_decay),
+        ("scalebio.max_grad_norm", s.max_grad_norm),
+    ):
+        if value < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {value}")
 
 
 def _check_prm_credit(cfg: Config) -> None:
@@ -1024,6 +1090,16 @@ def _check_prm_credit(cfg: Config) -> None:
 
 def _check_prime(g: GRPOConfig) -> None:
     p = g.prime
+    positive = {"grpo.prime.beta": p.beta, "grpo.prime.prm_lr": p.prm_lr}
+    for key, value in positive.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {value}")
+    for key, value in (
+        ("grpo.prime.process_weight", p.process_weight),
+        ("grpo.prime.outcome_weight", p.outcome_weight),
+    ):
+        if value < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {value}")
     if not p.enabled:
         return
     if g.trainable != "lora":
@@ -1036,10 +1112,8 @@ def _check_prime(g: GRPOConfig) -> None:
             "grpo.prime.enabled: PRIME's outcome labels are the fresh rollouts' own; it does not "
             "combine with grpo.replay (set grpo.replay.capacity: 0)"
         )
-    if not p.beta > 0 or (p.prm_lr is not None and not p.prm_lr > 0):
-        raise ConfigError(f"grpo.prime: beta and prm_lr must be > 0, got {p.beta}, {p.prm_lr}")
-    if p.process_weight < 0 or p.outcome_weight < 0 or p.process_weight + p.outcome_weight == 0:
-        raise ConfigError("grpo.prime: process_weight and outcome_weight must be >= 0, not both 0")
+    if p.process_weight + p.outcome_weight == 0:
+        raise ConfigError("grpo.prime.process_weight: process_weight and outcome_weight are both 0")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

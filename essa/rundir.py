@@ -161,6 +161,31 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
         )
 
 
+def check_output(path: Path, option: str, *, directory: bool = False) -> None:
+    """Before any work: create ``path``'s parent directories and write (then remove) a probe
+    file there, so that a result computed for minutes is never lost to a path it cannot be
+    written to. A file output may not be a directory, a directory output not a file. One
+    UserError line naming ``option`` otherwise."""
+    parent = path.parent
+    probe = parent / f".{path.name}.write-probe"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+    except OSError as err:
+        reason = "no space left on device" if err.errno == errno.ENOSPC else err.strerror
+        raise UserError(f"{option} {path}: cannot write in {parent} ({reason})") from None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    if directory and path.exists() and not path.is_dir():
+        raise UserError(f"{option} {path}: exists and is not a directory")
+    if not directory and path.is_dir():
+        raise UserError(f"{option} {path}: is a directory; name a file")
+    if not directory and path.exists() and not os.access(path, os.W_OK):
+        raise UserError(f"{option} {path}: exists and is not writable")
+
+
 class MetricsLog:
     """Append-only metrics.jsonl; each line is flushed so a crash loses at most one line."""
 

@@ -113,6 +113,17 @@ def test_table_pools_grpo_over_its_seeds_and_pairs_memory_by_seed() -> None:
     assert grpo_seeds(argparse.Namespace(grpo_seeds=[0, 1], seeds=[0, 1, 2])) == [0, 1]
 
 
+def test_grpo_seed_outside_seeds_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """GRPO starts from an ESSA seed's run: a --grpo-seeds seed not in --seeds would not run."""
+    from bench.real_model import parse_args
+
+    assert parse_args(["--seeds", "0", "1", "--grpo-seeds", "1"]).grpo_seeds == [1]
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--seeds", "0", "1", "--grpo-seeds", "1", "2"])
+    assert stop.value.code == 2
+    assert "error: --grpo-seeds 2: not in --seeds 0 1" in capsys.readouterr().err
+
+
 def test_grpo_options_summary_pairs_each_option_with_plain_grpo_of_its_seed() -> None:
     from bench.grpo_options import OPTIONS, summarise
     from bench.grpo_options import table as options_table

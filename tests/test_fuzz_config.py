@@ -8,12 +8,14 @@ sees the same inputs on every run; a few pathological files also go through the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from essa.cli import guarded
-from essa.config import Config, DataConfig, load_config, to_dict
+from essa.config import Config, ConfigError, DataConfig, load_config, to_dict
 
 FUZZ = settings(
     max_examples=150,
@@ -163,6 +165,164 @@ def test_known_bad_configs_found_by_fuzzing(tmp_path: Path) -> None:
         code, err = load_file(text)
         assert code == 2 and fragment in err, (text[:40], err)
         assert_clean(code, err)
+
+
+# ------------------------------------------------------------------------- numeric ranges
+
+# The natural range of every numeric field: (low, high, low included, high included); None: no
+# bound on that side. A value outside it must be a ConfigError naming the key, never accepted.
+POSITIVE = (0, None, False, False)
+NONNEG = (0, None, True, False)
+AT_LEAST_1 = (1, None, True, False)
+FRACTION = (0, 1, False, True)  # (0, 1]
+UNIT = (0, 1, True, True)  # [0, 1]
+RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
+    "model.num_threads": AT_LEAST_1,
+    "adapter.rank": AT_LEAST_1,
+    "adapter.lora_alpha": POSITIVE,
+    "adapter.alpha": FRACTION,
+    **{f"{s}.lisa.{k}": AT_LEAST_1 for s in ("sft", "grpo", "dpo", "scalebio")
+       for k in ("active_layers", "interval")},
+    "sft.steps": NONNEG,
+    "sft.batch_size": AT_LEAST_1,
+    "sft.lr": POSITIVE,
+    "sft.weight_decay": NONNEG,
+    "sft.max_length": AT_LEAST_1,
+    "sft.lr_warmup_steps": NONNEG,
+    "optimizer.population_size": (2, None, True, False),
+    "optimizer.sigma0": POSITIVE,
+    "optimizer.sep_above_dim": NONNEG,
+    "optimizer.lr": POSITIVE,
+    "optimizer.layerwise.active_layers": AT_LEAST_1,
+    "optimizer.layerwise.interval": AT_LEAST_1,
+    "data.selection.explore_init": FRACTION,
+    "data.selection.explore_min": FRACTION,
+    "data.selection.explore_max": FRACTION,
+    "data.selection.explore_step": UNIT,
+    "data.selection.explore_floor": UNIT,
+    "data.selection.target_zero_spread": UNIT,
+    "data.hints.after": AT_LEAST_1,
+    "data.hints.tiers": AT_LEAST_1,
+    "data.sft_size": NONNEG,
+    "data.test_size": NONNEG,
+    "data.train_size": AT_LEAST_1,
+    "data.batch_size": AT_LEAST_1,
+    "reward.timeout_seconds": POSITIVE,
+    "reward.reference_weight": NONNEG,
+    "generation.max_new_tokens": AT_LEAST_1,
+    "generation.temperature": NONNEG,
+    "generation.top_p": FRACTION,
+    "generation.samples_per_prompt": AT_LEAST_1,
+    "evaluation.micro_batch_size": AT_LEAST_1,
+    "evaluation.every": NONNEG,
+    "run.generations": NONNEG,
+    "run.seed": (0, 2**32 - 1, True, True),
+    "run.max_wall_seconds": POSITIVE,
+    "grpo.group_size": (2, None, True, False),
+    "grpo.prompts_per_step": AT_LEAST_1,
+    "grpo.temperature": POSITIVE,
+    "grpo.num_iterations": AT_LEAST_1,
+    "grpo.beta": NONNEG,
+    "grpo.epsilon_low": (0, 1, True, False),
+    "grpo.epsilon_high": NONNEG,
+    "grpo.lr": POSITIVE,
+    "grpo.weight_decay": NONNEG,
+    "grpo.lr_warmup_steps": NONNEG,
+    "grpo.max_grad_norm": NONNEG,
+    "grpo.grad_accumulation": AT_LEAST_1,
+    "grpo.overlong_buffer": NONNEG,
+    "grpo.train_examples": AT_LEAST_1,
+    "grpo.cure.top_k_tokens": AT_LEAST_1,
+    "grpo.cure.branches": AT_LEAST_1,
+    "grpo.cure.stage1_steps": AT_LEAST_1,
+    "grpo.replay.capacity": NONNEG,
+    "grpo.replay.ratio": NONNEG,
+    "grpo.entropy.coef": NONNEG,
+    "grpo.entropy.floor": NONNEG,
+    "grpo.prime.beta": POSITIVE,
+    "grpo.prime.prm_lr": POSITIVE,
+    "grpo.prime.process_weight": NONNEG,
+    "grpo.prime.outcome_weight": NONNEG,
+    "dpo.beta": POSITIVE,
+    "dpo.label_smoothing": (0, 0.5, True, False),
+    "dpo.pairs_per_step": AT_LEAST_1,
+    "dpo.samples_per_prompt": (2, None, True, False),
+    "dpo.temperature": POSITIVE,
+    "dpo.lr": POSITIVE,
+    "dpo.weight_decay": NONNEG,
+    "dpo.max_grad_norm": NONNEG,
+    "scalebio.batch_size": AT_LEAST_1,
+    "scalebio.lr": POSITIVE,
+    "scalebio.weight_decay": NONNEG,
+    "scalebio.weight_lr": POSITIVE,
+    "scalebio.penalty": POSITIVE,
+    "scalebio.max_grad_norm": NONNEG,
+    "scalebio.max_length": AT_LEAST_1,
+    "vllm.tensor_parallel_size": AT_LEAST_1,
+    "vllm.gpu_memory_utilization": FRACTION,
+    "vllm.max_loras": AT_LEAST_1,
+    "vllm.max_lora_rank": AT_LEAST_1,
+    "vllm.max_model_len": AT_LEAST_1,
+    "vllm.kv_cache_space_gb": AT_LEAST_1,
+    "vllm.max_num_seqs": AT_LEAST_1,
+}  # fmt: skip
+UNBOUNDED = {"grpo.replay.min_reward"}  # a reward threshold: any real number is meaningful
+
+
+def numeric_fields(cls: type = Config, prefix: str = "") -> dict[str, type]:
+    """Every int or float leaf of the schema (optional ones included): dotted key -> int/float."""
+    out: dict[str, type] = {}
+    for name, tp in typing.get_type_hints(cls).items():
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            out.update(numeric_fields(tp, f"{key}."))
+            continue
+        arms = set(typing.get_args(tp)) - {type(None)} if typing.get_args(tp) else {tp}
+        if arms in ({int}, {float}):
+            out[key] = arms.pop()
+    return out
+
+
+def test_every_numeric_field_has_a_declared_range() -> None:
+    assert set(numeric_fields()) == set(RANGES) | UNBOUNDED
+
+
+@st.composite
+def out_of_range(draw: st.DrawFn) -> tuple[str, int | float]:
+    """A numeric field and a value just or far outside its natural range."""
+    key = draw(st.sampled_from(sorted(RANGES)))
+    low, high, low_in, high_in = RANGES[key]
+    sides = [s for s, bound in (("below", low), ("above", high)) if bound is not None]
+    side = draw(st.sampled_from(sides))
+    if numeric_fields()[key] is int:
+        if side == "below":
+            return key, draw(st.integers(max_value=int(low) - 1 if low_in else int(low)))
+        return key, draw(st.integers(min_value=int(high) + 1 if high_in else int(high)))
+    finite = {"allow_nan": False, "allow_infinity": False, "width": 32}
+    if side == "below":
+        return key, draw(st.floats(max_value=low, exclude_max=low_in, **finite))
+    return key, draw(st.floats(min_value=high, exclude_min=high_in, **finite))
+
+
+@FUZZ
+@given(out_of_range())
+def test_out_of_range_numbers_are_refused_naming_key_and_file(case: tuple[str, float]) -> None:
+    key, value = case
+    data: dict[str, Any] = {}
+    node = data
+    *sections, name = key.split(".")
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[name] = value
+    path = config_file(yaml.safe_dump(data))
+    try:
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+    finally:
+        path.unlink()
+    message = str(err.value)
+    assert message.startswith(f"{path}:") and f" {key}: " in message, message
+    assert "\n" not in message
 
 
 # ------------------------------------------------------------------------------------ data rows

@@ -18,10 +18,13 @@ import contextlib
 import hashlib
 import importlib.util
 import logging
+import mmap
 import os
 import random
 import shutil
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +77,11 @@ def cache_dir_for(path: Path) -> Path:
     stat = path.stat()
     key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
     return cache_root() / "gguf" / f"{path.stem}-{key[:16]}"
+
+
+def is_converted(path: Path) -> bool:
+    """Whether GGUF ``path`` already has its cached checkpoint (loading it is then cheap)."""
+    return (cache_dir_for(path) / MARKER).is_file()
 
 
 def converted_checkpoint(path: Path, say: Any = None) -> Path:
@@ -151,3 +159,108 @@ def _convert(path: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
     if loaded.generation_config is not None:
         loaded.generation_config.save_pretrained(out)
+
+
+# GGUF metadata value types (the GGUF spec): fixed-size scalars as struct formats.
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+_STRING, _ARRAY = 8, 9
+CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+TOKENS_KEY = "tokenizer.ggml.tokens"
+UNK_KEY = "tokenizer.ggml.unknown_token_id"
+
+
+class _Header:
+    """A cursor over a little-endian GGUF (v2, v3) header; strings stay bytes until kept."""
+
+    def __init__(self, buf: Any) -> None:
+        self.buf, self.pos = buf, 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> bytes:
+        n = self.scalar("Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError("a string runs past the end of the file")
+        self.pos += n
+        return bytes(self.buf[self.pos - n : self.pos])
+
+    def value(self, kind: int, keep: bool) -> Any:
+        """The next value of type ``kind``; skipped (None) unless ``keep``."""
+        if kind in _SCALARS:
+            if not keep:
+                self.pos += struct.calcsize(_SCALARS[kind])
+                return None
+            return self.scalar(_SCALARS[kind])
+        if kind == _STRING:
+            text = self.string()
+            return text.decode("utf-8", "replace") if keep else None
+        if kind != _ARRAY:
+            raise ValueError(f"unknown metadata type {kind}")
+        item, n = self.scalar("I"), self.scalar("Q")
+        if item in _SCALARS and not keep:
+            self.pos += n * struct.calcsize(_SCALARS[item])
+            return None
+        items = [self.value(item, keep) for _ in range(n)]
+        return items if keep else None
+
+
+def gguf_metadata(path: Path, keys: set[str]) -> dict[str, Any]:
+    """The metadata ``keys`` of GGUF ``path`` that it has, read from its header alone: no tensor
+    is touched, so this takes a fraction of a second where transformers' reader takes seconds."""
+    try:
+        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            header = _Header(buf)
+            if bytes(buf[:4]) != b"GGUF":
+                raise ValueError("no GGUF magic number")
+            header.pos = 4
+            if header.scalar("I") not in (2, 3):
+                raise ValueError("only GGUF versions 2 and 3 (little-endian) are read")
+            header.scalar("Q")  # tensor count
+            found: dict[str, Any] = {}
+            for _ in range(header.scalar("Q")):
+                key = header.string().decode("utf-8", "replace")
+                value = header.value(header.scalar("I"), key in keys)
+                if key in keys:
+                    found[key] = value
+            return found
+    except (OSError, ValueError, struct.error) as err:
+        raise UserError(f"model.gguf_file: cannot read {path}: {err}") from None
+
+
+@dataclass(frozen=True)
+class GGUFTokenizerView:
+    """What a GGUF header says about its tokenizer: enough to check a prompt template before
+    the file is converted (essa.data.templates.check_template reads only these members)."""
+
+    chat_template: str | None
+    ids: dict[str, int] = field(default_factory=dict)  # token -> id
+    unk_token_id: int | None = None
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        return self.ids.get(token)
+
+
+def tokenizer_view(path: Path) -> GGUFTokenizerView:
+    """The :class:`GGUFTokenizerView` of GGUF ``path`` (its header only)."""
+    meta = gguf_metadata(path, {CHAT_TEMPLATE_KEY, TOKENS_KEY, UNK_KEY})
+    tokens = meta.get(TOKENS_KEY) or []
+    return GGUFTokenizerView(
+        chat_template=meta.get(CHAT_TEMPLATE_KEY),
+        ids={token: i for i, token in enumerate(tokens)},
+        unk_token_id=meta.get(UNK_KEY),
+    )

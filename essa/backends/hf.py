@@ -121,6 +121,23 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     return tokenizer
 
 
+def template_tokenizer(cfg: ModelConfig) -> Any:
+    """The tokenizer that ``data.template`` is checked against before the model loads: the
+    checkpoint's own, or for a GGUF not converted yet the view its header gives
+    (:class:`essa.backends.gguf_cache.GGUFTokenizerView`), since converting takes minutes."""
+    from essa.backends import gguf_cache
+
+    if cfg.name_or_path in gguf_cache.WHEEL_GGUF:
+        source: Path | None = gguf_cache.wheel_gguf(cfg.name_or_path)
+    elif cfg.gguf_file:
+        source = gguf_cache.gguf_path(resolve_model_path(cfg.name_or_path), cfg.gguf_file)
+    else:
+        source = None
+    if source is not None and not gguf_cache.is_converted(source):
+        return gguf_cache.tokenizer_view(source)
+    return load_tokenizer(cfg)
+
+
 def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     """Load (model, tokenizer) in eval mode on the configured device."""
     from transformers import AutoModelForCausalLM

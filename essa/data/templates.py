@@ -119,6 +119,11 @@ def check_template(template: str, tokenizer: Any, system_prompt: str | None = No
             f"data.system_prompt applies to template 'chat' only; template {template!r} has "
             "its own fixed prompt"
         )
+    if template == "chat" and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "template 'chat' needs a tokenizer with a chat template, and this one has none "
+            "(use template 'auto' or 'raw')"
+        )
     if template in CHATML_TEMPLATES and tokenizer is not None:
         missing = [t for t in CHATML_TOKENS if not _has_token(tokenizer, t)]
         if missing:

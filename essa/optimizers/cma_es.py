@@ -62,6 +62,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from essa import seeding
 from essa.optimizers.base import (
     BestSoFar,
     as_fitness,
@@ -197,7 +198,7 @@ class CMAES(BestSoFar):
             warnings.filterwarnings("ignore", message="Could not import matplotlib.pyplot")
             import cma
 
-        rng = np.random.default_rng(np.random.SeedSequence(self._config["seed"]))
+        rng = seeding.rng(self._config["seed"], "cma_es.samples")
 
         def randn(*shape: int) -> np.ndarray:
             return rng.standard_normal(shape)

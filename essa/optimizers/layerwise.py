@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from essa import seeding
 from essa.optimizers import make_optimizer
 from essa.optimizers.base import (
     BestSoFar,
@@ -39,8 +40,6 @@ from essa.optimizers.base import (
 from essa.types import AdapterVector, Fitness, Population
 
 STATE_FORMAT = 1
-_SCHEDULE_STREAM = 5  # SeedSequence spawn key of the layer schedule (2, 3: the ES recipe's)
-_BLOCK_SEED_STREAM = 6  # SeedSequence spawn key of each block's inner-optimizer seed
 
 
 def active_layers(
@@ -69,15 +68,14 @@ def active_layers(
         if np.count_nonzero(w) < gamma:
             raise ValueError(f"weights must give at least {gamma} layers a positive weight")
         p = w / w.sum()
-    rng = np.random.default_rng(np.random.SeedSequence([seed, _SCHEDULE_STREAM, interval_index]))
+    rng = seeding.rng(seed, "layerwise.schedule", interval_index)
     chosen = rng.choice(num_layers, size=gamma, replace=False, p=p)
     return tuple(sorted(int(i) for i in chosen))
 
 
 def block_seed(seed: int, block: int) -> int:
     """Seed of block ``block``'s inner optimizer: distinct per block, pure in (seed, block)."""
-    state = np.random.SeedSequence([seed, _BLOCK_SEED_STREAM, block]).generate_state(1)
-    return int(state[0])
+    return seeding.seed_int(seed, "layerwise.block_seed", block)
 
 
 class LayerwiseES(BestSoFar):

@@ -5,8 +5,8 @@ ranks over all returns, ``g = sum_pairs (r+ - r-) * eps / population_size``, and
 ``-g + l2coeff * theta``. Where this departs from it:
 
 - Noise comes from integer seeds, not a shared 1 GB noise table: pair i of generation g uses
-  ``eps = default_rng(SeedSequence([seed, g, i])).standard_normal(D)``. Any rank can rebuild any
-  candidate from three integers, and nothing but fitness has to cross processes.
+  ``eps = essa.seeding.rng(seed, "openai_es.noise", g, i).standard_normal(D)``. Any rank can
+  rebuild any candidate from three integers, and nothing but fitness has to cross processes.
 - The 1/sigma of the score-function estimator is left out of ``g``, as in the starter code: it is
   absorbed by ``lr``. With Adam the gradient scale cancels anyway (up to ``adam_epsilon``).
 - Relative steps: with per-coordinate ``stds`` the search runs in the whitened coordinates
@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from essa import seeding
 from essa.optimizers.base import (
     BestSoFar,
     as_fitness,
@@ -53,15 +54,14 @@ _SHAPINGS = {"centered_ranks": centered_ranks, "z_score": z_score}
 
 
 def pair_noise(seed: Seed, generation: int, n_pairs: int, dim: int) -> np.ndarray:
-    """(n_pairs, dim) unit Gaussian noise; row i from ``SeedSequence([seed, generation, i])``.
+    """(n_pairs, dim) unit Gaussian noise; row i from the ``openai_es.noise`` stream at
+    ``(generation, i)`` (:mod:`essa.seeding`).
 
     >>> pair_noise(0, 3, 2, 4).shape
     (2, 4)
     """
-    sequences = (np.random.SeedSequence([seed, generation, index]) for index in range(n_pairs))
-    return np.stack(
-        [np.random.default_rng(sequence).standard_normal(dim) for sequence in sequences]
-    )
+    rows = (seeding.rng(seed, "openai_es.noise", generation, i) for i in range(n_pairs))
+    return np.stack([row.standard_normal(dim) for row in rows])
 
 
 def antithetic_population(mean: AdapterVector, sigma: float, noise: np.ndarray) -> Population:
@@ -99,7 +99,7 @@ class OpenAIES(BestSoFar):
         *,
         population_size: int,  # number of candidates; must be even (antithetic pairs)
         sigma0: float,  # noise scale, constant, relative to stds
-        seed: int,  # noise of pair i in generation g: SeedSequence([seed, g, i])
+        seed: int,  # noise of pair i in generation g: openai_es.noise at (g, i)
         stds: np.ndarray | None = None,  # (D,) per-coordinate noise and step scales
         x0: np.ndarray | None = None,  # (D,) initial mean; zeros = the SFT adapter in ESSA
         step: StepRule = "adam",  # step rule applied to -g + l2coeff * z

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from essa import seeding
 from essa.dist import Comm
 from essa.protocols import Evaluator, RowProgress
 from essa.rewards import fitness_from_rewards
@@ -55,21 +56,33 @@ def scale_baseline(
     same for any rank count. Every rank must call it.
     """
     from essa.dist import LocalComm, shard
-    from essa.recipes.fitness import scores
+    from essa.recipes.fitness import SCALE_BASELINE_SITE, draw_keys, scores
 
     comm = comm or LocalComm()
 
-    rng = np.random.default_rng(np.random.SeedSequence([seed, 3]))
+    rng = seeding.rng(seed, "es.scale_baseline")
     idx = rng.choice(len(train), size=min(prompts_used, len(train)), replace=False)
     batch = [prompts[i] for i in idx]
     answers = [train[i].answer for i in idx]
     population = np.stack([scale_vector(adapter, f) for f in SCALE_FACTORS])  # (8, D)
-    mine = population[shard(len(population), comm.rank, comm.world_size)]
+    span = shard(len(population), comm.rank, comm.world_size)
+    mine = population[span]
     # Called on a rank with no factor too (more ranks than factors): it returns no texts and
     # clears the evaluator's per-call outputs (log-probs) the reward reads after it.
     texts = evaluator.completions(mine, batch, seed=seed, progress=progress, samples=samples)
+    keys = draw_keys(
+        seed, (SCALE_BASELINE_SITE,), idx.tolist(), range(span.start, span.stop), samples
+    )
     graded, _ = scores(
-        reward, evaluator, texts, answers, batch, population=mine, samples=samples, comm=comm
+        reward,
+        evaluator,
+        texts,
+        answers,
+        batch,
+        population=mine,
+        samples=samples,
+        comm=comm,
+        keys=keys,
     )
     local = np.array([fitness_from_rewards(s) for s in graded], dtype=np.float64)
     fitness = comm.allgather_fitness(local)  # (8,) in factor order

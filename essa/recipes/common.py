@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from essa import seeding
 from essa.config import Config, DataConfig
 from essa.errors import UserError
 from essa.types import AdapterVector, Example
@@ -58,11 +59,11 @@ def load_task(cfg: DataConfig, seed: int) -> Task:
             split=cfg.split,
             params=cfg.params,
         )
-        order = np.random.default_rng(np.random.SeedSequence([seed, 7])).permutation(len(examples))
+        order = seeding.rng(seed, "data.test_split").permutation(len(examples))
         shuffled = [examples[i] for i in order]
         test, pool = shuffled[: cfg.test_size], shuffled[cfg.test_size :]
     # The SFT/train cut depends on the run seed: one SFT adapter per (task, seed).
-    order = np.random.default_rng(np.random.SeedSequence([seed, 8])).permutation(len(pool))
+    order = seeding.rng(seed, "data.sft_split").permutation(len(pool))
     pool = [pool[i] for i in order]
     sft, train = pool[: cfg.sft_size], pool[cfg.sft_size :][: cfg.train_size]
     if not train:
@@ -82,6 +83,24 @@ def render_prompts(
         return render(template, [ex.prompt for ex in examples], tokenizer, system_prompt)
     except ValueError as err:
         raise UserError(f"data.template: {err}") from None
+
+
+def check_prompt_template(cfg: Config) -> None:
+    """Refuse ``data.template`` (and ``data.system_prompt``) when the model's tokenizer cannot
+    render it, before the model loads: the tokenizer alone loads in about a second, a GGUF not
+    converted yet is read for its header only. A real tokenizer renders one question, so that a
+    chat template that fails on its own (e.g. no system role) is caught here too."""
+    from essa.backends.hf import template_tokenizer
+    from essa.data.templates import check_template, render_prompt
+
+    d = cfg.data
+    tokenizer = template_tokenizer(cfg.model)
+    try:
+        check_template(d.template, tokenizer, d.system_prompt)
+        if hasattr(tokenizer, "apply_chat_template"):  # a real tokenizer, not a GGUF header
+            render_prompt(d.template, "1+1=", tokenizer, d.system_prompt)
+    except ValueError as err:
+        raise UserError(f"data.template: {err} ({cfg.model.name_or_path})") from None
 
 
 def render_splits(task: Task, data: DataConfig, tokenizer: Any) -> tuple[list[str], list[str]]:

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from essa import seeding
 from essa.config import Config, CureConfig
 from essa.recipes.grpo_policy import (
     Policy,
@@ -174,11 +175,11 @@ def branched_rollout(
     entropy = rollout_entropy(policy, originals, cfg)  # (N * n1, T)
     special = [*tokenizer.all_special_ids, tokenizer.eos_token_id, tokenizer.pad_token_id]
     candidates = candidate_positions(originals, [i for i in special if i is not None])
-    rng = np.random.default_rng(np.random.SeedSequence([seed, 1]))
+    rng = seeding.rng(seed, "cure.critical")
     positions, found = choose_critical(entropy, candidates, g.cure.top_k_tokens, rng)
     ids, attention = branch_contexts(originals, positions, tokenizer.pad_token_id)
     budgets = cfg.generation.new_tokens - positions  # (N * n1,) the trajectory's room
-    branch_seed = int(np.random.SeedSequence([seed, 2]).generate_state(1)[0])
+    branch_seed = seeding.seed_int(seed, "cure.branches")
     branches = rollout_from_ids(
         policy,
         tokenizer,

@@ -35,13 +35,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from essa import seeding
 from essa.config import Config, DPOConfig, to_dict
 from essa.dist import Comm
 from essa.errors import UserError
 from essa.harness import Harness, Phase
 from essa.recipes import grpo
 from essa.recipes.grpo_policy import Policy, Rollout, rollout, select, token_logprobs
-from essa.rewards.base import Reward
+from essa.rewards.base import DRAW_KEYS, Reward, score
 from essa.types import Example, PreferencePair
 
 if TYPE_CHECKING:
@@ -67,7 +68,13 @@ def run(
     task = common.load_task(cfg.data, cfg.run.seed)
     h.check_heldout(task.test)  # before the model loads
     pairs = _load_pairs(d.pairs) if d.pairs else None
-    reward = None if pairs else load_reward(cfg.reward, recipe="DPO", groups=True, deadline=False)
+    reward = (
+        None
+        if pairs
+        else load_reward(
+            cfg.reward, recipe="DPO", groups=True, provides=frozenset({DRAW_KEYS}), deadline=False
+        )
+    )
     with h:
         model, tokenizer = common.load_base_model(cfg, h)
         cfg, _ = common.resolve_lengths(cfg, tokenizer, task, h.say)
@@ -269,7 +276,7 @@ def file_batch(
     step: int,
 ) -> tuple[Rollout, dict[str, Any]]:
     """The step's pairs from the file: a draw without replacement seeded by (seed, step)."""
-    rng = np.random.default_rng(np.random.SeedSequence([cfg.run.seed, 11, step]))
+    rng = seeding.rng(cfg.run.seed, "dpo.file_pairs", step)
     idx = rng.choice(len(pairs), size=min(cfg.dpo.pairs_per_step, len(pairs)), replace=False)
     chosen = [pairs[i].chosen for i in idx.tolist()]
     rejected = [pairs[i].rejected for i in idx.tolist()]
@@ -336,16 +343,17 @@ def online_batch(
     """Sample k completions of the step's prompts, score, pair best with worst per prompt."""
     d = cfg.dpo
     k = d.samples_per_prompt
-    rng = np.random.default_rng(np.random.SeedSequence([cfg.run.seed, 12, step]))
+    rng = seeding.rng(cfg.run.seed, "dpo.prompts", step)
     idx = rng.choice(len(data.train), size=min(d.pairs_per_step, len(data.train)), replace=False)
     prompts = [data.train_prompts[i] for i in idx.tolist() for _ in range(k)]
     answers = [data.train[i].answer for i in idx.tolist() for _ in range(k)]
-    seed = int(np.random.SeedSequence([cfg.run.seed, 13, step]).generate_state(1)[0])
+    seed = seeding.seed_int(cfg.run.seed, "dpo.sampling", step)
     with round_bar(len(prompts)) as bar:
         out = rollout(
             policy, tokenizer, prompts, cfg, seed, progress=bar.advance, temperature=d.temperature
         )
-    scores = reward(out.texts, answers, prompts)
+    keys = [(cfg.run.seed, step, i, j) for i in range(len(idx)) for j in range(k)]
+    scores = score(reward, out.texts, answers, prompts, keys)
     rewards = np.array([math.nan if s is None else float(s) for s in scores]).reshape(-1, k)
     chosen = pick_pairs(rewards)  # (N, k) -> pairs
     stats = {

@@ -6,11 +6,12 @@ numpy only: the evaluator (an :class:`essa.protocols.Evaluator`) does the genera
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from essa import seeding
 from essa.config import Config
 from essa.dist import Comm
 from essa.errors import UserError
@@ -21,7 +22,7 @@ from essa.protocols import (
     ReferenceScorer,
     RowProgress,
 )
-from essa.rewards.base import Reward
+from essa.rewards.base import DrawKey, Reward
 from essa.rewards.fitness import KeyGather, candidate_scores
 from essa.rewards.logprob import COMPLETION_LOGPROBS, REFERENCE_LOGPROBS
 from essa.types import AdapterVector, Example, Fitness, Population
@@ -31,9 +32,26 @@ if TYPE_CHECKING:
     from essa.recipes.selection import Informative
 
 
+# Where an ESSA run scores with its training reward: the second element of a draw key.
+GENERATION_SITE, SCALE_BASELINE_SITE = 0, 1
+
+
+def draw_keys(
+    seed: int, site: Sequence[int], prompt_ids: Sequence[int], candidates: range, k: int
+) -> list[list[DrawKey]]:
+    """Per candidate (population indices ``candidates``), its items' draw keys in the
+    prompt-major layout: ``(seed, *site, prompt, candidate, sample)``. They say where an item
+    sits in the run, so a random reward scores a candidate the same on any rank and shard.
+
+    >>> draw_keys(7, (0, 3), [12, 5], range(2, 3), 1)
+    [[(7, 0, 3, 12, 2, 0), (7, 0, 3, 5, 2, 0)]]
+    """
+    return [[(seed, *site, p, c, j) for p in prompt_ids for j in range(k)] for c in candidates]
+
+
 def minibatch(n: int, size: int, seed: int, generation: int) -> np.ndarray:
     """The generation's shared prompt indices: a pure function of (seed, generation)."""
-    rng = np.random.default_rng(np.random.SeedSequence([seed, 2, generation]))
+    rng = seeding.rng(seed, "es.minibatch", generation)
     return rng.choice(n, size=min(size, n), replace=False)
 
 
@@ -47,6 +65,7 @@ def scores(
     population: Population | None = None,
     samples: int = 1,
     comm: KeyGather | None = None,
+    keys: Sequence[Sequence[DrawKey]] | None = None,
 ) -> tuple[list[list[float | None]], dict[str, float]]:
     """Per candidate, the reward of each of its ``len(prompts) * samples`` completions, and the
     population pool's metrics (essa.rewards.fitness). Log-prob rewards take the backend's:
@@ -71,6 +90,7 @@ def scores(
         samples_per_prompt=samples,
         logprobs=logprobs,
         comm=comm,
+        keys=keys,
     )
 
 
@@ -191,7 +211,8 @@ def shard_fitness(
         idx = informative.draw(idx, len(train), (g,))
         prompts = informative.prompts(idx, train, train_prompts)
     answers = [train[i].answer for i in idx]
-    mine = population[shard(len(population), comm.rank, comm.world_size)]
+    span = shard(len(population), comm.rank, comm.world_size)
+    mine = population[span]
     seed = cfg.run.seed * 100_003 + g
     k = cfg.generation.samples_per_prompt
     weight = cfg.reward.reference_weight
@@ -205,8 +226,17 @@ def shard_fitness(
     else:
         with rows(len(mine) * len(prompts) * k) as bar:
             texts = evaluator.completions(mine, prompts, seed, bar.advance, samples=k, **extra)
+    keys = draw_keys(cfg.run.seed, (GENERATION_SITE, g), idx, range(span.start, span.stop), k)
     graded, pool = scores(
-        reward, evaluator, texts, answers, prompts, population=mine, samples=k, comm=comm
+        reward,
+        evaluator,
+        texts,
+        answers,
+        prompts,
+        population=mine,
+        samples=k,
+        comm=comm,
+        keys=keys,
     )
     local = np.array([fitness_from_rewards(s) for s in graded])
     local[evaluator.nonfinite] = np.nan  # NaN/inf logits: graded text would be garbage

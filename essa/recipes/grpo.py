@@ -46,14 +46,14 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
+from essa import seeding
 from essa.config import Config, to_dict
 from essa.dist import Comm
 from essa.errors import UserError
@@ -63,7 +63,7 @@ from essa.recipes import grpo_losses as losses
 from essa.recipes import grpo_replay as replay
 from essa.recipes.grpo_policy import Policy, Rollout, merge, rollout, select, token_logprobs
 from essa.recipes.prm_credit import step_credit
-from essa.rewards.base import Reward
+from essa.rewards.base import DRAW_KEYS, DrawKey, Reward, score
 from essa.rundir import atomic_dir, recover, storage_error
 from essa.types import Example
 
@@ -95,7 +95,9 @@ def run(
     task = common.load_task(cfg.data, cfg.run.seed)
     h.check_heldout(task.test)  # before the model loads
     # Group rewards work as is: each prompt's G completions come in one call.
-    reward = load_reward(cfg.reward, recipe="GRPO", groups=True, deadline=False)
+    reward = load_reward(
+        cfg.reward, recipe="GRPO", groups=True, provides=frozenset({DRAW_KEYS}), deadline=False
+    )
     if g.replay.capacity and reward.is_group:
         raise UserError(
             f"grpo.replay: replays verified successes, but reward {cfg.reward.name} is a group "
@@ -275,7 +277,7 @@ def replay_count(cfg: Config) -> int:
 def _draw_prompts(cfg: Config, n_train: int, step: int, rounds: int) -> list[int]:
     """One round's prompt indices; a training set smaller than a step (1-shot) repeats."""
     g = cfg.grpo
-    rng = np.random.default_rng(np.random.SeedSequence([cfg.run.seed, 9, step, rounds]))
+    rng = seeding.rng(cfg.run.seed, "grpo.prompts", step, rounds)
     if g.train_examples is not None and n_train < g.prompts_per_step:
         return rng.choice(n_train, size=g.prompts_per_step, replace=True).tolist()
     return rng.choice(n_train, size=min(g.prompts_per_step, n_train), replace=False).tolist()
@@ -318,13 +320,17 @@ def sample_groups(
             texts = informative.prompts(idx, data.train, data.train_prompts)
         prompts = [text for text in texts for _ in range(g.group_size)]
         answers = [data.train[i].answer for i in idx for _ in range(g.group_size)]
-        seed = int(np.random.SeedSequence([cfg.run.seed, 10, step, rounds]).generate_state(1)[0])
+        seed = seeding.seed_int(cfg.run.seed, "grpo.sampling", step, rounds)
         if round_bar is None:
             out = sample(policy, tokenizer, prompts, cfg, seed, temperature=temperature)
         else:
             with round_bar(len(prompts)) as bar:
                 out = sample(policy, tokenizer, prompts, cfg, seed, bar.advance, temperature)
-        rewards = _score(cfg, reward, out, answers, prompts)  # (B,)
+        # draw keys: (seed, step, round, prompt i of the round, sample j), row-major like out
+        keys = [
+            (cfg.run.seed, step, rounds, i, j) for i in range(len(idx)) for j in range(g.group_size)
+        ]
+        rewards = _score(cfg, reward, out, answers, prompts, keys)  # (B,)
         # per-token PRM credit from the same PRM pass (the reward kept its step scores)
         credit = step_credit(tokenizer, out, prompts, reward) if g.prm_credit == "step" else None
         if buffer is not None:
@@ -337,7 +343,7 @@ def sample_groups(
         new_tokens += int((out.completion_ids != tokenizer.pad_token_id).sum())  # as ESSA counts
         replays: list[list[replay.Experience]] = [[] for _ in idx]
         if k and buffer is not None:
-            rng = np.random.default_rng(np.random.SeedSequence([cfg.run.seed, 11, step, rounds]))
+            rng = seeding.rng(cfg.run.seed, "grpo.replay", step, rounds)
             replays = buffer.draw(idx, k, rng)
         mixed = replay.mixed_group_rewards(rewards, replays, k)  # (N, G + k)
         rounds += 1
@@ -368,10 +374,15 @@ def sample_groups(
 
 
 def _score(
-    cfg: Config, reward: Reward, out: Rollout, answers: list[str | None], prompts: list[str]
+    cfg: Config,
+    reward: Reward,
+    out: Rollout,
+    answers: list[str | None],
+    prompts: list[str],
+    keys: Sequence[DrawKey],
 ) -> torch.Tensor:
     """(B,) rewards of a round, NaN where ungradable, plus DAPO's overlong shaping when on."""
-    scores = reward(out.texts, answers, prompts)
+    scores = score(reward, out.texts, answers, prompts, keys)
     rewards = torch.tensor([math.nan if s is None else float(s) for s in scores])  # (B,)
     if cfg.grpo.overlong_buffer:
         lengths = out.mask.sum(-1)  # (B,)

@@ -33,7 +33,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -46,6 +45,7 @@ if TYPE_CHECKING:
 
     from essa.config import Config
     from essa.recipes.common import Task
+from essa import seeding
 from essa.types import Example
 
 
@@ -213,7 +213,7 @@ def train_sft_lisa(
         train_head=cfg.lisa.train_head,
     )
     device = next(model.parameters()).device
-    rng = np.random.default_rng(np.random.SeedSequence([seed, 1]))
+    rng = seeding.rng(seed, "sft.batches")
     order: list[int] = []
     losses: list[float] = []
     model.train()

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from essa import seeding
 from essa.config import Config, to_dict
 from essa.dist import Comm
 from essa.errors import UserError
@@ -235,7 +236,7 @@ class _Models:
 
 def _draw(cfg: Config, size: int, step: int, stream: int) -> list[int]:
     """A seeded draw of batch_size indices without replacement (fewer when size is smaller)."""
-    rng = np.random.default_rng(np.random.SeedSequence([cfg.run.seed, 14, step, stream]))
+    rng = seeding.rng(cfg.run.seed, "scalebio.batches", step, stream)
     return rng.choice(size, size=min(cfg.scalebio.batch_size, size), replace=False).tolist()
 
 

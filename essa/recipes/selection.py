@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from essa import seeding
 from essa.config import DataConfig, HintConfig, SelectionConfig
 from essa.types import Example
 
@@ -191,7 +192,7 @@ class Informative:
         when selection is off. A pure function of the history and (seed, key): exact on resume."""
         if self.selection.name == "none":
             return list(first)
-        rng = np.random.default_rng(np.random.SeedSequence([self.seed, 31, *key]))
+        rng = seeding.rng(self.seed, "selection.refill", *key)
         taken = set(first)
         rest = rng.permutation([i for i in range(pool_size) if i not in taken]).tolist()
         order = [*first, *rest]

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from essa import seeding
 from essa.config import AdapterConfig, SFTConfig
 from essa.errors import UserError
 from essa.types import Example
@@ -125,7 +125,7 @@ def train_sft(
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     horizon = [cfg.steps]  # the schedule's length; a time limit may cut it after two steps
     sched = torch.optim.lr_scheduler.LambdaLR(optim, _cosine(horizon, cfg.lr_warmup_steps))
-    rng = np.random.default_rng(np.random.SeedSequence([seed, 1]))
+    rng = seeding.rng(seed, "sft.batches")
     order: list[int] = []
     losses: list[float] = []
     step_seconds: list[float] = []

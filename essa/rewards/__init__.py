@@ -9,6 +9,8 @@ Group rewards (``reward.is_group``: ``majority_vote``, ``answer_frequency``, ``n
 the completions of one prompt together: equal ``prompts`` strings form a group and must come in
 the same call (:mod:`essa.rewards.base`). Log-probability rewards (``reward.needs``:
 ``self_confidence``, ``reference_logprob``) need a backend hook (:mod:`essa.rewards.logprob`).
+Random rewards (``reward.needs``: ``random``, ``noisy``) draw at each item's place in the run,
+given as draw keys (:class:`KeyedReward`), so their draws do not depend on the call order.
 
 Imports only numpy, the standard library and (lazily, when verifying) math-verify; never
 torch, transformers, models or recipes (``reward_model`` imports them when built).
@@ -17,6 +19,7 @@ Spec: rewards-and-eval.md.
 
 from essa.rewards.accuracy import MathVerifier
 from essa.rewards.base import (
+    KeyedReward,
     Reward,
     RewardStats,
     ScoreFn,
@@ -34,6 +37,7 @@ from essa.rewards.registry import REWARDS, RewardSpec, get_reward, known_rewards
 __all__ = [
     "REWARDS",
     "Grade",
+    "KeyedReward",
     "LogprobReward",
     "LogprobScorer",
     "MathVerifier",

@@ -16,11 +16,20 @@ scores back per candidate (:func:`group_indices` gives the groups).
 
 **Side inputs.** ``reward.needs`` names inputs a reward needs beyond the three lists (empty for
 text rewards; ``{"completion_logprobs"}`` or ``{"reference_logprobs"}`` for the log-probability
-rewards of :mod:`essa.rewards.logprob`, which say how a backend supplies them).
+rewards of :mod:`essa.rewards.logprob`, which say how a backend supplies them;
+``{"draw_keys"}`` for the random rewards, :class:`KeyedReward`).
+
+**Draw keys.** A random reward (``random``, ``noisy``) draws from where each item sits in the
+run, never from how many draws came before: the recipe gives item i its key ``keys[i]``, a tuple
+of non-negative ints ``(run seed, *where, sample)`` whose last element is the item's sample
+index in its group, so that the group's key is the rest. ESSA keys an item by (generation,
+prompt, candidate, sample), GRPO by (step, round, prompt, sample). A candidate then scores the
+same on one rank or N, wherever it sits in its rank's shard, and after a resume.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -29,12 +38,16 @@ from dataclasses import dataclass, field
 from numbers import Real
 from types import MappingProxyType
 
-import numpy as np
+from essa import seeding
 
 logger = logging.getLogger(__name__)
 
 # The plain batch function a Reward wraps: (completions, answers, prompts) -> scores.
 ScoreFn = Callable[[list[str], list[str | None], list[str]], list[float | None]]
+DRAW_KEYS = "draw_keys"
+DrawKey = tuple[int, ...]  # (run seed, *where in the run, sample): see the module docstring
+# A KeyedReward's function: (completions, answers, prompts, keys) -> scores.
+KeyedScoreFn = Callable[[list[str], list[str | None], list[str], list[DrawKey]], list[float | None]]
 
 
 @dataclass
@@ -204,6 +217,70 @@ class Reward:
         """Raise ValueError if the plain 3-list call cannot work (a side input is not bound)."""
 
 
+class KeyedReward(Reward):
+    """A reward with random draws, taken at each item's draw key (see the module docstring).
+
+    Recipes call :meth:`score_with_keys`. Called with the three lists alone (library use),
+    item j of group g in the n-th such call gets the key ``(n, g, j)``, so the draws follow the
+    call order, as with one seeded generator.
+    """
+
+    needs = frozenset({DRAW_KEYS})
+
+    def __init__(
+        self,
+        name: str,
+        fn: KeyedScoreFn,
+        stats: RewardStats | None = None,
+        *,
+        is_group: bool = False,
+    ) -> None:
+        super().__init__(name, fn, stats, is_group=is_group)  # type: ignore[arg-type]
+        self._plain_calls = 0
+
+    def __call__(
+        self, completions: list[str], answers: list[str | None], prompts: list[str]
+    ) -> list[float | None]:
+        keys: list[DrawKey] = [()] * len(prompts)
+        for g, group in enumerate(group_indices(prompts)):
+            for j, i in enumerate(group):
+                keys[i] = (self._plain_calls, g, j)
+        self._plain_calls += 1
+        return self.score_with_keys(completions, answers, prompts, keys)
+
+    def score_with_keys(
+        self,
+        completions: list[str],
+        answers: list[str | None],
+        prompts: list[str],
+        keys: Sequence[DrawKey],
+    ) -> list[float | None]:
+        """Score, item i drawing at ``keys[i]``."""
+        return self._score_columns(
+            ("completions", "answers", "prompts", "keys"),
+            (completions, answers, prompts, list(keys)),
+        )
+
+
+def check_seed(seed: object) -> None:
+    """A random reward's ``seed`` parameter: a non-negative integer (ValueError otherwise)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+
+
+def score(
+    reward: Reward,
+    completions: list[str],
+    answers: list[str | None],
+    prompts: list[str],
+    keys: Sequence[DrawKey],
+) -> list[float | None]:
+    """``reward``'s scores: a :class:`KeyedReward` draws at ``keys``, any other ignores them."""
+    if isinstance(reward, KeyedReward):
+        return reward.score_with_keys(completions, answers, prompts, keys)
+    return reward(completions, answers, prompts)
+
+
 def fitness_from_rewards(scores: Sequence[float | None]) -> float:
     """ESSA fitness of one candidate: mean of the non-None rewards, NaN if all are None.
 
@@ -222,8 +299,9 @@ def combine(parts: Sequence[tuple[Reward, float]], name: str | None = None) -> R
     None handling: a part that scores None for an item contributes nothing to that item (the
     weights are *not* renormalised); the combined score is None only when every part is None.
     Each part keeps its own ``stats``; the combination has its own as well. The combination is
-    a group reward if any part is. Parts are called with the three lists, so a log-probability
-    reward must have its scorer bound (see :mod:`essa.rewards.logprob`).
+    a group reward if any part is, and draws at the items' keys (a :class:`KeyedReward`) if any
+    part does. Parts are called with the three lists, so a log-probability reward must have its
+    scorer bound (see :mod:`essa.rewards.logprob`).
 
     >>> from essa.rewards import get_reward
     >>> both = combine([(get_reward("exact_match"), 0.9), (get_reward("format"), 0.1)])
@@ -240,29 +318,38 @@ def combine(parts: Sequence[tuple[Reward, float]], name: str | None = None) -> R
         reward.check_callable()
 
     def weighted_sum(
-        completions: list[str], answers: list[str | None], prompts: list[str]
+        completions: list[str],
+        answers: list[str | None],
+        prompts: list[str],
+        keys: list[DrawKey],
     ) -> list[float | None]:
-        columns = [(reward(completions, answers, prompts), weight) for reward, weight in parts]
+        columns = [
+            (score(reward, completions, answers, prompts, keys), weight) for reward, weight in parts
+        ]
         totals: list[float | None] = []
         for i in range(len(completions)):
             terms = [(scores[i], weight) for scores, weight in columns]
-            graded = [weight * score for score, weight in terms if score is not None]
+            graded = [weight * value for value, weight in terms if value is not None]
             totals.append(math.fsum(graded) if graded else None)
         return totals
 
     label = name or " + ".join(f"{weight:g}*{reward.name}" for reward, weight in parts)
-    return Reward(label, weighted_sum, is_group=any(reward.is_group for reward, _ in parts))
+    is_group = any(reward.is_group for reward, _ in parts)
+    if any(isinstance(reward, KeyedReward) for reward, _ in parts):
+        return KeyedReward(label, weighted_sum, is_group=is_group)
+    plain = functools.partial(weighted_sum, keys=[])  # no part reads the keys
+    return Reward(label, plain, is_group=is_group)
 
 
-def noisy(reward: Reward, flip_prob: float, seed: int = 0, name: str | None = None) -> Reward:
+def noisy(reward: Reward, flip_prob: float, seed: int = 0, name: str | None = None) -> KeyedReward:
     """Reward-noise wrapper (spec §8, "The Climb Carves Wisdom Deeper Than the Summit").
 
     For each group of completions of the same prompt (see the module docstring), with
     probability ``flip_prob`` the whole group's rewards are flipped, ``r -> 1 - r``; otherwise
-    they are kept. None stays None. The decision is drawn once per group, in order of first
-    occurrence, from ``np.random.default_rng(seed)`` created here: the same seed and the same
-    sequence of calls give the same flips. Meant for rewards in [0, 1] (binary correctness).
-    Always a group reward; with one completion per prompt every item is its own group.
+    they are kept. None stays None. The decision is drawn once per group, at the group's draw
+    key (its first item's key without the sample index) in the ``reward.noisy`` stream of
+    ``seed`` (:mod:`essa.seeding`). Meant for rewards in [0, 1] (binary correctness). Always a
+    group reward; with one completion per prompt every item is its own group.
 
     >>> from essa.rewards import get_reward
     >>> noisy(get_reward("exact_match"), flip_prob=1.0)(["4", "5", "4"], ["4", "4", "4"], ["a", "a", "b"])
@@ -272,20 +359,23 @@ def noisy(reward: Reward, flip_prob: float, seed: int = 0, name: str | None = No
         raise ValueError(f"flip_prob must be in [0, 1], got {flip_prob}")
     if not isinstance(reward, Reward):
         raise TypeError(f"noisy expects a Reward, got {type(reward).__name__}")
+    check_seed(seed)
     reward.check_callable()
-    rng = np.random.default_rng(seed)
 
     def flipped(
-        completions: list[str], answers: list[str | None], prompts: list[str]
+        completions: list[str],
+        answers: list[str | None],
+        prompts: list[str],
+        keys: list[DrawKey],
     ) -> list[float | None]:
-        scores = reward(completions, answers, prompts)
-        groups = group_indices(prompts)
-        flips = rng.random(len(groups)) < flip_prob  # (n_groups,) one decision per group
-        for group, flip in zip(groups, flips, strict=True):
-            if flip:
+        scores = score(reward, completions, answers, prompts, keys)
+        for group in group_indices(prompts):
+            where = keys[group[0]][:-1]  # the group's key: its items' without the sample
+            if seeding.rng(seed, "reward.noisy", *where).random() < flip_prob:
                 for i in group:
-                    score = scores[i]
-                    scores[i] = None if score is None else 1.0 - score
+                    value = scores[i]
+                    scores[i] = None if value is None else 1.0 - value
         return scores
 
-    return Reward(name or f"noisy({reward.name}, {flip_prob:g})", flipped, is_group=True)
+    label = name or f"noisy({reward.name}, {flip_prob:g})"
+    return KeyedReward(label, flipped, is_group=True)

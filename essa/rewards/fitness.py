@@ -14,6 +14,9 @@ parameters, not the sampling noise.
   prompt is the P * k completions of all candidates.
 * Log-prob rewards take ``logprobs[c][item]`` from the backend (generated tokens' log-probs
   for ``completion_logprobs``, the teacher-forced reference for ``reference_logprobs``).
+* Random rewards (``random``, ``noisy``) draw at ``keys[c][item]``, the item's place in the run
+  (:mod:`essa.rewards.base`), so a candidate's draws do not depend on the rank or the shard
+  position it is evaluated at.
 
 The fitness of a candidate is the mean over prompts and samples of its gradable rewards (NaN
 when none is gradable: a failed evaluation).
@@ -26,7 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from essa.rewards.base import Reward, fitness_from_rewards
+from essa.rewards.base import DRAW_KEYS, DrawKey, KeyedReward, Reward, fitness_from_rewards
 from essa.rewards.label_free import MIN_GROUP_SIZE
 from essa.rewards.pool import (
     agreement_rewards,
@@ -62,10 +65,12 @@ def candidate_scores(
     samples_per_prompt: int = 1,
     logprobs: Sequence[Sequence[Sequence[float] | None]] | None = None,
     comm: KeyGather | None = None,
+    keys: Sequence[Sequence[DrawKey]] | None = None,
 ) -> tuple[list[list[float | None]], dict[str, float]]:
     """Per candidate of this rank, the reward of each of its N * k items; plus pool metrics.
 
-    ``comm`` is required for ``reward.pool == "population"`` (the vote spans all ranks).
+    ``comm`` is required for ``reward.pool == "population"`` (the vote spans all ranks),
+    ``keys`` (per candidate, per item) for a reward that needs draw keys.
     """
     k = samples_per_prompt
     answers_k, prompts_k = expand(answers, k), expand(prompts, k)
@@ -73,6 +78,15 @@ def candidate_scores(
         if comm is None:
             raise ValueError("pool: population needs the communicator (the vote spans ranks)")
         return _population_pool(texts, answers, k, comm, **_vote_params(reward))
+    if DRAW_KEYS in reward.needs:
+        if keys is None:
+            raise ValueError(f"reward {reward.name!r} draws at the items' keys: pass keys")
+        assert isinstance(reward, KeyedReward)
+        scored = [
+            reward.score_with_keys(list(t), answers_k, prompts_k, list(kk))  # type: ignore[arg-type]
+            for t, kk in zip(texts, keys, strict=True)
+        ]
+        return scored, {}
     if reward.needs:
         if logprobs is None:
             raise ValueError(f"reward {reward.name!r} needs log-probs from the backend")

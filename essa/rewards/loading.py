@@ -11,7 +11,7 @@ from typing import Any
 
 from essa.config import Config, RewardConfig
 from essa.errors import UserError
-from essa.rewards.base import Reward
+from essa.rewards.base import DRAW_KEYS, Reward
 from essa.rewards.logprob import COMPLETION_LOGPROBS, REFERENCE_LOGPROBS
 
 
@@ -45,14 +45,15 @@ def load_reward(
 
 
 def es_reward_inputs(cfg: Config) -> dict[str, Any]:
-    """What ESSA can feed a reward: groups (k samples, or the population as the vote pool) and
-    log-probs (generated tokens' on both backends, the reference's teacher-forced on HF)."""
+    """What ESSA can feed a reward: groups (k samples, or the population as the vote pool),
+    log-probs (generated tokens' on both backends, the reference's teacher-forced on HF) and
+    the items' draw keys."""
     k = cfg.generation.samples_per_prompt
     pooled = cfg.reward.params.get("pool") == "population"
     logprobs = {COMPLETION_LOGPROBS} | (set() if cfg.backend == "vllm" else {REFERENCE_LOGPROBS})
     return {
         "groups": k > 1 or pooled,
-        "provides": frozenset(logprobs),
+        "provides": frozenset({*logprobs, DRAW_KEYS}),
         "group_hint": (
             ": set generation.samples_per_prompt >= 2 (with temperature > 0) for a vote among "
             "a candidate's samples, or reward.params.pool: population (majority_vote) for a "

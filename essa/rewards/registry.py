@@ -16,7 +16,15 @@ from types import MappingProxyType
 from typing import Any
 
 from essa.rewards.accuracy import math_accuracy
-from essa.rewards.base import Reward, RewardStats, ScoreFn, noisy
+from essa.rewards.base import (
+    DRAW_KEYS,
+    KeyedReward,
+    KeyedScoreFn,
+    Reward,
+    RewardStats,
+    ScoreFn,
+    noisy,
+)
 from essa.rewards.label_free import answer_frequency, majority_vote
 from essa.rewards.logprob import (
     COMPLETION_LOGPROBS,
@@ -64,7 +72,7 @@ def _noisy(
     reward: str = "math_accuracy",
     params: dict[str, Any] | None = None,
     seed: int = 0,
-) -> ScoreFn:
+) -> KeyedScoreFn:
     """``noisy`` from the config: ``reward`` (a name) built with ``params``, see :func:`noisy`."""
     return noisy(get_reward(reward, **(params or {})), flip_prob, seed).fn  # type: ignore[return-value]
 
@@ -75,7 +83,9 @@ class RewardSpec:
 
     factory: RewardFactory
     is_group: bool = False  # sees all completions of a prompt together (same call)
-    needs: str | None = None  # side input: "completion_logprobs" or "reference_logprobs"
+    # side input: "completion_logprobs" or "reference_logprobs" (LogprobReward), or "draw_keys"
+    # (KeyedReward: the random rewards)
+    needs: str | None = None
     # The real signature when ``factory`` is a lazy-import shim (for parameter checks).
     signature_of: Callable[[], Callable[..., Any]] | None = None
 
@@ -90,12 +100,12 @@ REWARDS: dict[str, RewardSpec] = {
     "exact_match": RewardSpec(exact_match),
     "length": RewardSpec(length),
     "overlong": RewardSpec(overlong),
-    "random": RewardSpec(random_reward),
+    "random": RewardSpec(random_reward, needs=DRAW_KEYS),
     "incorrect_label": RewardSpec(incorrect_label),
     "majority_vote": RewardSpec(majority_vote, is_group=True),
     "answer_frequency": RewardSpec(answer_frequency, is_group=True),
     "reasoning_pattern": RewardSpec(reasoning_pattern),
-    "noisy": RewardSpec(_noisy, is_group=True),
+    "noisy": RewardSpec(_noisy, is_group=True, needs=DRAW_KEYS),
     "self_confidence": RewardSpec(self_confidence, needs=COMPLETION_LOGPROBS),
     "reference_logprob": RewardSpec(reference_logprob, needs=REFERENCE_LOGPROBS),
     "reward_model": RewardSpec(
@@ -158,7 +168,7 @@ def _check_params(name: str, spec: RewardSpec, params: dict[str, object]) -> Non
     signature = inspect.signature(target).parameters
     # Positional-only parameters are the registry's own (stats, an injected lookup).
     accepted = [p for p, v in signature.items() if p != "stats" and v.kind is not v.POSITIONAL_ONLY]
-    if spec.needs is not None:
+    if spec.needs in (COMPLETION_LOGPROBS, REFERENCE_LOGPROBS):
         accepted.append("scorer")
     unknown = sorted(set(params) - set(accepted))
     if unknown:
@@ -198,6 +208,10 @@ def get_reward(name: str, **params: object) -> Reward:
         return Reward(name, fn, stats, is_group=bool(getattr(fn, "is_group", False)))
     spec = reward_spec(name)
     _check_params(name, spec, params)
+    if spec.needs == DRAW_KEYS:
+        keyed = KeyedReward(name, spec.factory(stats, **params), stats, is_group=spec.is_group)
+        keyed.pool = str(params.get("pool", "group"))
+        return keyed
     if spec.needs is not None:
         scorer = params.pop("scorer", None)
         fn = spec.factory(stats, **params)

@@ -6,18 +6,17 @@ Project rule: every reported improvement on a Qwen-family model comes with a ``r
 
 from __future__ import annotations
 
-import numpy as np
-
+from essa import seeding
 from essa.rewards.accuracy import MathVerifier, count_grades
-from essa.rewards.base import RewardStats, ScoreFn
+from essa.rewards.base import DrawKey, KeyedScoreFn, RewardStats, ScoreFn, check_seed
 
 
-def random_reward(stats: RewardStats, *, p: float = 0.5, seed: int = 0) -> ScoreFn:
+def random_reward(stats: RewardStats, *, p: float = 0.5, seed: int = 0) -> KeyedScoreFn:
     """``R ~ Bernoulli(p)``, independent of the output (the paper's ``random0.5`` with p = 0.5).
 
-    Deterministic: a ``numpy`` Generator seeded with ``seed`` is drawn once per item, in call
-    order, so the same seed and the same sequence of batch sizes give the same rewards.
-    Never None.
+    Deterministic: item i's draw is taken at its draw key in the ``reward.random`` stream of
+    ``seed`` (:mod:`essa.rewards.base`, :mod:`essa.seeding`), so it depends on where the item
+    sits in the run, not on the order of calls. Never None.
 
     >>> from essa.rewards import get_reward
     >>> get_reward("random", p=1.0)(["a", "b"], [None, None], ["", ""])
@@ -25,13 +24,12 @@ def random_reward(stats: RewardStats, *, p: float = 0.5, seed: int = 0) -> Score
     """
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"p must be in [0, 1], got {p}")
-    rng = np.random.default_rng(seed)
+    check_seed(seed)
 
     def score(
-        completions: list[str], answers: list[str | None], prompts: list[str]
+        completions: list[str], answers: list[str | None], prompts: list[str], keys: list[DrawKey]
     ) -> list[float | None]:
-        draws = rng.random(len(completions))  # (N,) uniform in [0, 1)
-        return [float(draw < p) for draw in draws]
+        return [float(seeding.rng(seed, "reward.random", *key).random() < p) for key in keys]
 
     return score
 
