@@ -155,6 +155,7 @@ def run(cfg: Any, run_dir: Path, console: Any = print) -> dict[str, Any]:
     from essa.config import dump_config
     from essa.recipes.common import load_or_train_adapter, load_task, seed_everything
     from essa.recipes.grpo import _Data
+    from essa.rewards.base import DRAW_KEYS
     from essa.rewards.loading import load_reward
     from essa.rundir import MetricsLog, atomic_write_json
 
@@ -183,7 +184,15 @@ def run(cfg: Any, run_dir: Path, console: Any = print) -> dict[str, Any]:
     trainer = GRPOTrainer(
         model=peft_model,
         reward_funcs=make_reward(
-            load_reward(cfg.reward, recipe="GRPO", groups=True, deadline=False),
+            # TRL calls the reward with its three lists: a reward with random draws (random,
+            # noisy) then draws in call order, as from one seeded generator.
+            load_reward(
+                cfg.reward,
+                recipe="GRPO",
+                groups=True,
+                provides=frozenset({DRAW_KEYS}),
+                deadline=False,
+            ),
             log,
             tokenizer.pad_token_id,
         ),

@@ -73,19 +73,26 @@ class TaskLengths:
         return dataclasses.asdict(self)
 
 
-def measure_task(tokenizer: Any, prompts: Sequence[str], references: Sequence[str]) -> TaskLengths:
+def measure_task(
+    tokenizer: Any,
+    prompts: Sequence[str],
+    references: Sequence[str],
+    max_new_tokens: int | None = None,
+) -> TaskLengths:
     """Lengths of ``prompts`` (rendered) and ``references`` (what SFT teaches the model to
-    write after a prompt) in tokens, as generation and SFT tokenise them."""
+    write after a prompt) in tokens, as generation and SFT tokenise them; with a fixed
+    ``max_new_tokens``, how many references it cannot hold with their stop token."""
     from essa.backends.hf import shared_prefix_length
 
     p = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    r = tokenizer(list(references), add_special_tokens=False)["input_ids"]
+    r = [len(x) for x in tokenizer(list(references), add_special_tokens=False)["input_ids"]]
     return TaskLengths(
         prompt_mean=round(statistics.fmean(len(x) for x in p), 1),
         prompt_max=max(len(x) for x in p),
         shared_prefix=shared_prefix_length(p),
-        reference_mean=round(statistics.fmean(len(x) for x in r), 1),
-        reference_max=max(len(x) for x in r),
+        reference_mean=round(statistics.fmean(r), 1),
+        reference_max=max(r),
+        references_over=0 if max_new_tokens is None else sum(n + 1 > max_new_tokens for n in r),
         references=len(r),
     )
 
@@ -97,17 +104,16 @@ def auto_max_new_tokens(lengths: TaskLengths) -> int:
     return min(AUTO_TOKEN_CAP, lengths.reference_max + 1 + slack)
 
 
-def length_warning(max_new_tokens: int, reference_lengths: Sequence[int]) -> str | None:
+def length_warning(max_new_tokens: int, lengths: TaskLengths) -> str | None:
     """One line when a fixed ``max_new_tokens`` cannot hold some references and their stop."""
-    over = [n for n in reference_lengths if n + 1 > max_new_tokens]
-    if not over:
+    if not lengths.references_over:
         return None
-    share = len(over) / len(reference_lengths)
+    share = lengths.references_over / lengths.references
     return (
         f"warning: generation.max_new_tokens={max_new_tokens} cannot hold {share:.0%} of the "
-        f"reference answers with their stop token (longest {max(over)} tokens + 1): those "
-        "completions are cut and score 0; use generation.max_new_tokens: auto or raise it "
-        f"to at least {max(over) + 1}"
+        f"reference answers with their stop token (longest {lengths.reference_max} tokens + "
+        "1): those completions are cut and score 0; use generation.max_new_tokens: auto or "
+        f"raise it to at least {lengths.reference_max + 1}"
     )
 
 
@@ -121,17 +127,13 @@ def resolve_lengths(
 ) -> tuple[Config, TaskLengths, str | None]:
     """``cfg`` with ``generation.max_new_tokens`` resolved (auto -> a number), the lengths it
     came from, and a warning line when a fixed value is too short for the references."""
-    lengths = measure_task(tokenizer, prompts, references)
     gen = cfg.generation
-    if gen.max_new_tokens == "auto":
-        gen = dataclasses.replace(gen, max_new_tokens=auto_max_new_tokens(lengths))
-        return dataclasses.replace(cfg, generation=gen), lengths, None
-    ids = tokenizer(list(references), add_special_tokens=False)["input_ids"]
-    counts = [len(x) for x in ids]
-    lengths = dataclasses.replace(
-        lengths, references_over=sum(n + 1 > gen.max_new_tokens for n in counts)
-    )
-    return cfg, lengths, length_warning(int(gen.max_new_tokens), counts)
+    fixed = gen.max_new_tokens if isinstance(gen.max_new_tokens, int) else None
+    lengths = measure_task(tokenizer, prompts, references, fixed)
+    if fixed is not None:
+        return cfg, lengths, length_warning(fixed, lengths)
+    gen = dataclasses.replace(gen, max_new_tokens=auto_max_new_tokens(lengths))
+    return dataclasses.replace(cfg, generation=gen), lengths, None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -222,6 +222,8 @@ def test_train_size_keeps_the_first_training_examples_and_the_other_splits() -> 
 class FakeChatTokenizer:
     """Records the call and renders a ChatML-like string, as transformers' tokenizers do."""
 
+    chat_template = "<{role}>{content}</{role}>"  # a tokenizer with a template says so
+
     def apply_chat_template(self, messages, tokenize, add_generation_prompt):
         assert tokenize is False and add_generation_prompt is True
         body = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)

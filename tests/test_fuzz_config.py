@@ -18,7 +18,7 @@ import tempfile
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import typer
@@ -277,7 +277,10 @@ def numeric_fields(cls: type = Config, prefix: str = "") -> dict[str, type]:
         if dataclasses.is_dataclass(tp):
             out.update(numeric_fields(tp, f"{key}."))
             continue
-        arms = set(typing.get_args(tp)) - {type(None)} if typing.get_args(tp) else {tp}
+        args = typing.get_args(tp)
+        # Optional fields and keyword arms ("auto") aside, the field is numeric.
+        arms = {a for a in args if a is not type(None) and typing.get_origin(a) is not Literal}
+        arms = arms if args else {tp}
         if arms in ({int}, {float}):
             out[key] = arms.pop()
     return out

@@ -4,6 +4,7 @@ a resume. Pure sizing on hand-made costs; the rest on the demo model through the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -56,11 +57,12 @@ def test_auto_max_new_tokens_holds_the_longest_reference_and_its_stop() -> None:
 
 
 def test_a_fixed_length_too_short_for_the_references_warns_with_the_numbers() -> None:
-    line = length_warning(12, [10, 13, 18, 11])
+    short = dataclasses.replace(lengths(18), references_over=2, references=4)
+    line = length_warning(12, short)
     assert line is not None
     assert "max_new_tokens=12" in line and "50%" in line and "longest 18" in line
     assert "at least 19" in line
-    assert length_warning(19, [10, 13, 18]) is None
+    assert length_warning(19, lengths(18)) is None
 
 
 def test_resolve_lengths_measures_on_the_models_tokenizer() -> None:
@@ -76,8 +78,9 @@ def test_resolve_lengths_measures_on_the_models_tokenizer() -> None:
     assert measured.reference_max == longest and warning is None
     assert resolved.generation.new_tokens == auto_max_new_tokens(measured)
     fixed = load_config(None, ["generation.max_new_tokens=1"])
-    same, _, warning = resolve_lengths(fixed, tokenizer, prompts, refs)
+    same, counted, warning = resolve_lengths(fixed, tokenizer, prompts, refs)
     assert same.generation.new_tokens == 1 and warning is not None
+    assert counted.references_over == 2 and counted.references == 2
 
 
 def test_generous_budget_keeps_the_configured_sizes() -> None:

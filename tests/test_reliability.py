@@ -155,7 +155,9 @@ def test_out_of_memory_retry_returns_one_set_of_logprobs(setup, monkeypatch) -> 
 
     def evaluate() -> tuple[list[list[str]], list, list]:
         cfg = EvaluationConfig(strategy="merged", micro_batch_size=8)
-        evaluator = PopulationEvaluator(model, tokenizer, adapter, GenerationConfig(), cfg)
+        evaluator = PopulationEvaluator(
+            model, tokenizer, adapter, GenerationConfig(max_new_tokens=8), cfg
+        )
         evaluator.record_logprobs = True
         out = evaluator.completions(x, PROMPTS, references=references)
         return out, evaluator.last_logprobs, evaluator.last_reference_logprobs
@@ -183,7 +185,9 @@ def test_out_of_memory_at_one_sequence_is_a_clear_error(setup, monkeypatch) -> N
     model, tokenizer, adapter = setup
     monkeypatch.setattr(evaluator_module, "generate_texts", _oom_after(0, []))
     cfg = EvaluationConfig(strategy="batched", micro_batch_size=4)
-    evaluator = PopulationEvaluator(model, tokenizer, adapter, GenerationConfig(), cfg)
+    evaluator = PopulationEvaluator(
+        model, tokenizer, adapter, GenerationConfig(max_new_tokens=8), cfg
+    )
     with pytest.raises(UserError, match="out of memory during evaluation even at one sequence"):
         evaluator.completions(_population(adapter)[:1], PROMPTS)
 

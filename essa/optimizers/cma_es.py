@@ -62,7 +62,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from essa import seeding
+import essa.seeding as seeding
 from essa.optimizers.base import (
     BestSoFar,
     as_fitness,

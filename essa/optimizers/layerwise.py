@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from essa import seeding
+import essa.seeding as seeding
 from essa.optimizers import make_optimizer
 from essa.optimizers.base import (
     BestSoFar,
