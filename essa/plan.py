@@ -22,7 +22,8 @@ SFT, reads what the task costs on this machine and sizes what may be sized:
 
 A budget that holds fewer than :data:`USEFUL_GENERATIONS` generations at the smallest sizes is
 refused in one line before SFT. The per-row cost comes from a probe (greedy rows of the
-training prompts on the base model, timed) and is measured again on the SFT adapter's held-out
+training prompts on the base model, timed to their first token and to the end, costed at a
+reference's length: :func:`probe_costs`) and is measured again on the SFT adapter's held-out
 pass, where the population machinery runs; the sizes that come after that pass are re-planned
 with the measured cost. Plan and actual seconds per phase go to phases.jsonl and the summary.
 """
@@ -179,9 +180,11 @@ class Plan:
             f"plan: {self.generations} generations of {self.population} candidates x "
             f"{self.prompts} prompts in "
             f"{self.budget:.0f} s (search {self.search_share():.0%}); max_new_tokens "
-            f"{self.max_new_tokens}; SFT up to {self.sft_steps} steps / "
-            f"{self.sft_seconds:.0f} s; held-out checks on {self.check_items} items"
+            f"{self.max_new_tokens}"
         )
+        if self.sft_steps:  # a re-plan after SFT has none left to size
+            sizes += f"; SFT up to {self.sft_steps} steps / {self.sft_seconds:.0f} s"
+        sizes += f"; held-out checks on {self.check_items} items"
         if self.start_prompts:
             sizes += f"; scaled start on {self.start_prompts} prompts"
         phases = ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
@@ -194,37 +197,43 @@ def probe_costs(
     prompts: Sequence[str],
     cfg: Config,
     spent: float,
-    sft_tokens: float,
+    lengths: TaskLengths,
 ) -> Costs:
-    """Time :data:`PROBE_ROWS` greedy rows of ``prompts`` on ``model`` at the run's lengths.
-
-    ``sft_tokens``: tokens of one SFT batch (prompt + target), for the step estimate.
-    """
+    """Time :data:`PROBE_ROWS` greedy rows of ``prompts`` on ``model``: once to their first
+    token (the prefill) and once to ``max_new_tokens`` (every row of the base model runs to the
+    end). A trained adapter's rows stop after about a reference's length, so a row is costed
+    as the prefill plus the decode of ``reference_mean + 1`` tokens. One SFT step costs about
+    :data:`SFT_BACKWARD_FACTOR` forwards of its tokens, at the prefill's rate."""
     import torch
 
     from essa.backends.hf import generate_texts
 
     gen = dataclasses.replace(cfg.generation, temperature=0.0)
     rows = [prompts[i % len(prompts)] for i in range(PROBE_ROWS)]
-    with torch.no_grad():
-        generate_texts(model, tokenizer, rows[:1], gen, micro_batch_size=1)  # warm-up
+
+    def timed(max_new_tokens: int) -> float:
         start = time.perf_counter()
-        _, new_tokens = generate_texts(
+        generate_texts(
             model,
             tokenizer,
             rows,
-            gen,
+            dataclasses.replace(gen, max_new_tokens=max_new_tokens),
             micro_batch_size=cfg.evaluation.micro_batch_size,
             use_prefix_cache=cfg.evaluation.use_prefix_cache,
         )
-        seconds = time.perf_counter() - start
-    row = seconds / len(rows)
-    # A step's tokens cost about SFT_BACKWARD_FACTOR forwards; the probe's tokens per second
-    # (prompt + generated, per row) stand for the forward rate.
-    ids = tokenizer(rows, add_special_tokens=False)["input_ids"]
-    probe_tokens = sum(len(x) for x in ids) + new_tokens
-    rate = probe_tokens / seconds if seconds > 0 else math.inf
-    return Costs(row=row, sft_step=SFT_BACKWARD_FACTOR * sft_tokens / rate, spent=spent)
+        return time.perf_counter() - start
+
+    with torch.no_grad():
+        generate_texts(model, tokenizer, rows[:1], gen, micro_batch_size=1)  # warm-up
+        prefill = timed(1)
+        whole = timed(gen.new_tokens)
+    per_token = max(0.0, whole - prefill) / max(1, gen.new_tokens - 1)  # decode, all rows
+    decoded = min(gen.new_tokens, lengths.reference_mean + 1)
+    row = (prefill + per_token * (decoded - 1)) / len(rows)
+    prefill_rate = len(rows) * lengths.prompt_mean / prefill if prefill > 0 else math.inf
+    sft_tokens = cfg.sft.batch_size * (lengths.prompt_mean + lengths.reference_mean + 1)
+    sft_step = SFT_BACKWARD_FACTOR * sft_tokens / prefill_rate
+    return Costs(row=row, sft_step=sft_step, spent=spent)
 
 
 def make_plan(

@@ -56,8 +56,7 @@ class Budget:
 
             return cls(plan_from_dict(json.loads(saved.read_text())), lengths)
         with h.phase("budget probe"):
-            sft_tokens = cfg.sft.batch_size * (lengths.prompt_mean + lengths.reference_mean + 1)
-            probed = probe_costs(model, tokenizer, train_prompts, cfg, h.elapsed, sft_tokens)
+            probed = probe_costs(model, tokenizer, train_prompts, cfg, h.elapsed, lengths)
             row = _slowest(h, probed.row)
             costs = Costs(row=row, sft_step=_slowest(h, probed.sft_step), spent=h.elapsed)
             sft_done = (h.run_dir / "sft_adapter" / "adapter_config.json").exists()
