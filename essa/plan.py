@@ -118,9 +118,9 @@ def length_warning(max_new_tokens: int, lengths: TaskLengths) -> str | None:
     )
 
 
-def reference_texts(examples: Sequence[Any], limit: int = 512) -> list[str]:
+def reference_texts(examples: Sequence[Any]) -> list[str]:
     """What the model learns to write after a prompt: each example's SFT target."""
-    return [ex.target for ex in list(examples)[:limit]]
+    return [ex.target for ex in examples]
 
 
 def resolve_lengths(

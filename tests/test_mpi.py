@@ -28,6 +28,7 @@ from essa.dist import LocalComm, any_rank, check_replicas, get_comm, place_rank,
 from essa.dist.mpi import detect_mpi_launch
 from essa.errors import UserError
 from tests.conftest import requires
+from tests.test_train_e2e import SMALL as E2E_SMALL
 
 TESTS = Path(__file__).parent
 SMALL = [
@@ -424,15 +425,9 @@ def test_user_error_on_every_rank_printed_once(tmp_path: Path) -> None:
 
 # The demo model, small: each generation takes a second or two on 2 busy cores.
 DEMO = [
-    "sft.steps=4",
-    "data.sft_size=32",
-    "data.batch_size=8",
-    "data.test_size=40",
-    "optimizer.population_size=4",
-    "evaluation.every=2",
+    *E2E_SMALL,
     "evaluation.strategy=batched",
     "evaluation.use_scale_baseline=false",
-    "run.show_progress=false",
     "run.generations=6",
 ]
 # Each rank's exit status, written by the shell that runs it: mpiexec ORs them into its own.
