@@ -726,11 +726,6 @@ def _check_sft_adapter(cfg: Config) -> None:
     """ESSA searches the SFT adapter's singular values: refuse one that is zero by config."""
     if cfg.algorithm != "essa" or cfg.adapter.path is not None:
         return
-    if cfg.adapter.lora_alpha == 0:
-        raise ConfigError(
-            "adapter.lora_alpha: must not be 0, which scales the LoRA update to zero (gamma = "
-            "lora_alpha / r): SFT cannot train it and ESSA has nothing to search; use e.g. 16"
-        )
     if cfg.sft.steps == 0 and cfg.optimizer.use_relative_steps:
         raise ConfigError(
             "sft.steps: must be > 0 without adapter.path: 0 leaves the new LoRA's B at zero "

@@ -186,7 +186,7 @@ def test_untrained_adapter_path_is_refused_before_the_baseline(
 @pytest.mark.parametrize(
     ("override", "fragment"),
     [
-        ("adapter.lora_alpha=0", "--set adapter.lora_alpha: adapter.lora_alpha: must not be 0"),
+        ("adapter.lora_alpha=0", "--set adapter.lora_alpha: adapter.lora_alpha: must be > 0"),
         ("sft.steps=0", "--set sft.steps: sft.steps: must be > 0 without adapter.path"),
     ],
 )
