@@ -201,6 +201,10 @@ class EvaluationConfig:
     # prompts, so off by default (demo: on, where it is cheap and tells most of the story).
     use_scale_baseline: bool = False
     use_prefix_cache: bool = True  # encode the prompts' shared token prefix once per candidate
+    # Greedy, with the reference's likelihood in the fitness: read the reference tokens already
+    # in the prefill as a draft, so rows skip the decode steps that would write them again
+    # (essa.backends.decode); the tokens are greedy's, up to the matmuls' rounding order.
+    reference_draft: bool = True
     # Held-out score: a correctness metric (HELDOUT_METRICS) or module:function comparing with
     # the reference answers. None: the training reward when it is one of these, else
     # math_accuracy (a shaping or label-free training reward says nothing about correctness).

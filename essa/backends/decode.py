@@ -33,7 +33,14 @@ from typing import Any
 
 import torch
 
-from essa.backends.cache import cache_argument, fast_cache_layout, model_cache, record_past, rewind
+from essa.backends.cache import (
+    cache_argument,
+    cache_windows,
+    fast_cache_layout,
+    model_cache,
+    record_past,
+    rewind,
+)
 from essa.backends.sampling import RowPicker
 
 COMPACT_FRACTION = 8  # drop ended rows once they are at least 1/8 of the running batch
@@ -122,7 +129,9 @@ def decode_processors(
 class _Running:
     """The still-running rows of one micro-batch; ``origin[i]`` is row i's index in the batch."""
 
-    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, past: int) -> None:
+    def __init__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, past: int, max_new: int
+    ) -> None:
         positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # (B, T)
         self.origin = torch.arange(input_ids.shape[0])  # (b,) CPU
         self.sequences = input_ids  # (b, T + t) prompt and generated tokens
@@ -131,6 +140,11 @@ class _Running:
         self.step_positions = positions[:, past:]  # same shape as step_ids
         self.unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         self.flagged = torch.zeros_like(self.unfinished)  # (b,) non-finite logits seen
+        self.left = torch.full_like(self.step_ids[:, 0], max_new)  # (b,) tokens it may still emit
+        # A reference draft (_draft_prefill) puts `drafted` columns after the prompt, of which
+        # each row emitted its first `accepted` (b,); the rest are masked holes.
+        self.drafted = 0
+        self.accepted = torch.zeros(input_ids.shape[0], dtype=torch.long)  # (b,) CPU
 
     def append(self, tokens: torch.Tensor) -> None:
         """Add one token per row (b,) and advance mask and positions."""
@@ -138,14 +152,29 @@ class _Running:
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(tokens), 1))], dim=-1)
         self.step_positions = self.step_positions[:, -1:] + 1
         self.step_ids = tokens[:, None]
+        self.left = self.left - 1
 
     def keep(self, kept: torch.Tensor, cache: Any) -> None:
         """Keep only rows ``kept`` (k,) CPU indices, in the batch and in the cache."""
         index = kept.to(self.sequences.device)
-        for name in ("sequences", "mask", "step_ids", "step_positions", "unfinished", "flagged"):
+        names = ("sequences", "mask", "step_ids", "step_positions", "unfinished", "flagged", "left")
+        for name in names:
             setattr(self, name, getattr(self, name).index_select(0, index))
         cache.batch_select_indices(index)
         self.origin = self.origin[kept]
+        self.accepted = self.accepted[kept]
+
+    def new_tokens(self, rows: torch.Tensor, width: int, max_new: int) -> list[torch.Tensor]:
+        """The generated tokens of ``rows`` (k,), CPU: each row's accepted draft, then what it
+        decoded, at most ``max_new`` (a row that ran out before the others was fed pads)."""
+        tokens = self.sequences[:, width:].index_select(0, rows.to(self.sequences.device)).cpu()
+        if not self.drafted:
+            return list(tokens)
+        accepted = self.accepted[rows].tolist()
+        return [
+            torch.cat([row[:k], row[self.drafted :]])[:max_new]
+            for row, k in zip(tokens, accepted, strict=True)
+        ]
 
 
 @torch.no_grad()
@@ -164,6 +193,7 @@ def decode_rows(
     picker: RowPicker | None = None,
     teacher: Sequence[Sequence[int]] | None = None,
     teacher_logprobs: list[list[float]] | None = None,
+    draft: bool = False,
 ) -> torch.Tensor:
     """New tokens (B, T_new) on CPU, padded after each row's stop token as ``generate`` pads.
 
@@ -179,7 +209,11 @@ def decode_rows(
     token's log-prob (appended to ``teacher_logprobs``, one list per row), and the teacher
     tokens are cropped from the cache before decoding, so the completions are unchanged. The
     reference's likelihood costs ``len(teacher)`` extra prefill tokens per row, not a second
-    pass over the prompt.
+    pass over the prompt. With ``draft`` (greedy decoding, :func:`draft_applies`), the teacher
+    is also a draft (:func:`_draft_prefill`): each row keeps the teacher tokens that greedy
+    decoding would have produced, so a row that writes its reference answer takes no decode
+    step for it. The tokens are greedy's, computed in one forward instead of one per token
+    (equal up to float rounding in the matmuls' order, as in speculative decoding).
     """
     config, processors = decode_processors(model, generate_kwargs, input_ids)
     device, width = input_ids.device, input_ids.shape[1]
@@ -187,13 +221,23 @@ def decode_rows(
     stops = torch.zeros(0, dtype=torch.long, device=device) if stops is None else stops.view(-1)
     pad = int(generate_kwargs["pad_token_id"])
     cache = model_cache(model) if cache is None else cache
-    state = _Running(input_ids, attention_mask, cache.get_seq_length())
+    max_new = int(generate_kwargs["max_new_tokens"])
+    state = _Running(input_ids, attention_mask, cache.get_seq_length(), max_new)
     every = check_every or (1 if device.type == "cpu" else ACCELERATOR_CHECK_EVERY)
     keep_one = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
     done: dict[int, torch.Tensor] = {}  # batch row -> its new tokens, CPU
-    max_new = int(generate_kwargs["max_new_tokens"])
+    longest = max((len(t) for t in teacher), default=0) if teacher is not None else 0
+    drafting = (
+        draft
+        and teacher is not None
+        and draft_applies(
+            model, processors, picker is None and not config.do_sample, width + longest + max_new
+        )
+    )
     for step in range(max_new):
-        if step == 0 and teacher is not None:
+        if step == 0 and drafting:
+            _draft_prefill(model, state, cache, teacher, pad, teacher_logprobs, guard, stops)
+        elif step == 0 and teacher is not None:
             logits = _teacher_prefill(model, state, cache, teacher, pad, teacher_logprobs)
         else:
             out = model(
@@ -206,19 +250,20 @@ def decode_rows(
             )
             logits = out.logits[:, -1].to(dtype=torch.float32)  # (b, V)
             del out
-        if guard is not None:
-            bad, logits = guard.check(logits)
-            state.flagged |= bad
-        scores = processors(state.sequences, logits)  # (b, V)
-        if picker is not None:
-            tokens = picker.pick(logits, scores, state.origin, step)
-        elif config.do_sample:
-            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-        else:
-            tokens = torch.argmax(scores, dim=-1)  # (b,)
-        tokens = torch.where(state.unfinished, tokens, pad)
-        state.append(tokens)
-        state.unfinished &= ~torch.isin(tokens, stops)
+        if step or not drafting:
+            if guard is not None:
+                bad, logits = guard.check(logits)
+                state.flagged |= bad
+            scores = processors(state.sequences, logits)  # (b, V)
+            if picker is not None:
+                tokens = picker.pick(logits, scores, state.origin, step)
+            elif config.do_sample:
+                tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                tokens = torch.argmax(scores, dim=-1)  # (b,)
+            tokens = torch.where(state.unfinished, tokens, pad)
+            state.append(tokens)
+            state.unfinished &= ~torch.isin(tokens, stops) & (state.left > 0)
         if step == max_new - 1 or (step + 1) % every:
             continue
         running = state.unfinished.cpu()  # the one host sync, every `every` steps
@@ -226,37 +271,39 @@ def decode_rows(
         if ended == len(running):
             break
         if ended >= max(1, len(running) // COMPACT_FRACTION):
-            _collect(state, ~running, width, done, guard, guard_offset)
+            _collect(state, ~running, width, max_new, done, guard, guard_offset)
             state.keep(running.nonzero().squeeze(1), cache)
             if set_rows is not None and rows is not None:
                 set_rows(rows[state.origin])
-    _collect(
-        state, torch.ones(len(state.origin), dtype=torch.bool), width, done, guard, guard_offset
-    )
+    everyone = torch.ones(len(state.origin), dtype=torch.bool)
+    _collect(state, everyone, width, max_new, done, guard, guard_offset)
     return _pad_after_stop([done[i] for i in range(len(done))], stops.cpu(), pad)
 
 
-def _teacher_prefill(
+def _teacher_forward(
     model: Any,
     state: _Running,
     cache: Any,
     teacher: Sequence[Sequence[int]],
     pad: int,
     out: list[list[float]] | None,
-) -> torch.Tensor:
-    """The prefill with each row's teacher tokens after its prompt: the next-token logits
-    (b, V) of the prompt's last position; the teacher tokens' log-probs go to ``out``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prefill with each row's teacher tokens after its prompt, left in the cache.
+
+    Returns (logits (b, L + 1, V) float32 of the prompt's last position and every teacher
+    position, teacher ids (b, L) right-padded with ``pad``, lengths (b,)); the teacher tokens'
+    log-probs go to ``out``.
+    """
     device = state.step_ids.device
     n = max((len(t) for t in teacher), default=0)
     ids = torch.full((len(teacher), n), pad, dtype=torch.long)  # (b, L) right-padded
-    live = torch.zeros((len(teacher), n), dtype=torch.long)  # (b, L)
+    lengths = torch.tensor([len(row) for row in teacher], dtype=torch.long)  # (b,)
     for i, row in enumerate(teacher):
         ids[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
-        live[i, : len(row)] = 1
-    ids, live = ids.to(device), live.to(device)
+    ids, lengths = ids.to(device), lengths.to(device)
+    live = (torch.arange(n, device=device) < lengths[:, None]).long()  # (b, L)
     last = state.step_positions[:, -1:]  # (b, 1)
     extra = {"logits_to_keep": n + 1} if _takes_logits_to_keep(model) else {}
-    record_past(cache)  # sliding-window layers must still hold the prompt's columns after the crop
     result = model(
         input_ids=torch.cat([state.step_ids, ids], dim=-1),
         attention_mask=torch.cat([state.mask, live], dim=-1),
@@ -270,28 +317,102 @@ def _teacher_prefill(
     )
     logits = result.logits[:, -(n + 1) :].to(dtype=torch.float32)  # (b, L + 1, V)
     del result
-    rewind(cache, n)  # the teacher tokens leave the cache: decoding continues from the prompt
-    if n:
-        logp = torch.log_softmax(logits[:, :n], dim=-1)  # (b, L, V): column t predicts ids[:, t]
-        picked = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1).cpu()  # (b, L)
-        if out is not None:
+    if out is not None:
+        if n:
+            logp = torch.log_softmax(
+                logits[:, :n], dim=-1
+            )  # (b, L, V): column t predicts ids[:, t]
+            picked = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1).cpu()  # (b, L)
+            del logp
             out.extend(picked[i, : len(row)].tolist() for i, row in enumerate(teacher))
-    elif out is not None:
-        out.extend([] for _ in teacher)
+        else:
+            out.extend([] for _ in teacher)
+    return logits, ids, lengths
+
+
+def _teacher_prefill(
+    model: Any,
+    state: _Running,
+    cache: Any,
+    teacher: Sequence[Sequence[int]],
+    pad: int,
+    out: list[list[float]] | None,
+) -> torch.Tensor:
+    """The prefill with each row's teacher tokens after its prompt: the next-token logits
+    (b, V) of the prompt's last position; the teacher tokens leave the cache again."""
+    record_past(cache)  # sliding-window layers must still hold the prompt's columns after the crop
+    logits, ids, _ = _teacher_forward(model, state, cache, teacher, pad, out)
+    rewind(cache, ids.shape[1])  # decoding continues from the prompt
     return logits[:, 0]
+
+
+def _draft_prefill(
+    model: Any,
+    state: _Running,
+    cache: Any,
+    teacher: Sequence[Sequence[int]],
+    pad: int,
+    out: list[list[float]] | None,
+    guard: NonFiniteGuard | None,
+    stops: torch.Tensor,
+) -> None:
+    """The teacher prefill read as a greedy draft: each row emits the longest prefix of its
+    teacher that greedy decoding would have produced, then its own next token.
+
+    Column t of the prefill's logits is the model's distribution after the prompt and the
+    teacher's first t tokens, so while argmax agrees with the teacher token the greedy path *is*
+    the teacher: row i emits teacher[:k_i] and argmax at k_i, for the price of the prefill it
+    already paid for the teacher's log-probs. The teacher columns stay in the cache; those past
+    k_i are masked out (holes that full attention ignores; :func:`draft_applies` keeps windowed
+    layers from counting them).
+    """
+    logits, ids, lengths = _teacher_forward(model, state, cache, teacher, pad, out)
+    b, columns, vocab = logits.shape
+    n = columns - 1
+    bad = torch.zeros((b, columns), dtype=torch.bool, device=logits.device)
+    if guard is not None:
+        flat_bad, flat = guard.check(logits.view(-1, vocab))
+        bad, logits = flat_bad.view(b, columns), flat.view(b, columns, vocab)
+    greedy = logits.argmax(dim=-1)  # (b, L + 1)
+    del logits
+    t = torch.arange(n, device=ids.device)
+    follows = (greedy[:, :n] == ids) & (t < lengths[:, None]) & ~torch.isin(ids, stops)  # (b, L)
+    accepted = follows.long().cumprod(dim=1).sum(dim=1)  # (b,)
+    accepted = torch.minimum(accepted, state.left - 1)  # at least one token of its own
+    token = greedy.gather(1, accepted[:, None]).squeeze(1)  # (b,) the first token of its own
+    state.flagged |= (bad & (torch.arange(columns, device=bad.device) <= accepted[:, None])).any(1)
+    kept = t < accepted[:, None]  # (b, L) accepted teacher columns
+    state.sequences = torch.cat([state.sequences, ids.masked_fill(~kept, pad), token[:, None]], -1)
+    state.mask = torch.cat([state.mask, kept.long(), state.mask.new_ones((b, 1))], dim=-1)
+    state.step_positions = state.step_positions[:, -1:] + accepted[:, None] + 1
+    state.step_ids = token[:, None]
+    state.drafted, state.accepted = n, accepted.cpu()
+    state.left = state.left - accepted - 1
+    state.unfinished &= ~torch.isin(token, stops) & (state.left > 0)
+
+
+def draft_applies(model: Any, processors: Any, greedy: bool, columns: int) -> bool:
+    """True when a teacher draft gives exactly the greedy tokens: plain argmax (no picker and
+    no logits processor reading the history), and no sliding window shorter than ``columns``
+    (a window counts cache columns, holes included)."""
+    if not greedy or len(processors):
+        return False
+    windows = cache_windows(model) or []
+    return all(w is None or columns < w for w in windows)
 
 
 def _collect(
     state: _Running,
     which: torch.Tensor,
     width: int,
+    max_new: int,
     done: dict[int, torch.Tensor],
     guard: NonFiniteGuard | None,
     guard_offset: int,
 ) -> None:
     """Move the new tokens (and guard flags) of running rows ``which`` (b,) bool to the host."""
     index = which.nonzero().squeeze(1)
-    tokens = state.sequences[:, width:].index_select(0, index.to(state.sequences.device)).cpu()
+    tokens = state.new_tokens(index, width, max_new)
     for i, row in zip(state.origin[index].tolist(), tokens, strict=True):
         done[i] = row
     if guard is not None:

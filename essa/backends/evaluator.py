@@ -327,6 +327,7 @@ class PopulationEvaluator:
                 logprobs=logprobs,
                 reference_ids=None if refs is None else refs * len(population),
                 reference_logprobs=ref_logprobs,
+                reference_draft=self.cfg.reference_draft,
             )
         if logprobs is not None:
             self.last_logprobs.extend(logprobs[c * n : (c + 1) * n] for c in range(len(population)))
@@ -368,6 +369,7 @@ class PopulationEvaluator:
                     logprobs=logprobs,
                     reference_ids=refs,
                     reference_logprobs=ref_logprobs,
+                    reference_draft=self.cfg.reference_draft,
                 )
             if logprobs is not None:
                 all_logprobs.append(logprobs)

@@ -317,6 +317,7 @@ def generate_texts(
     logprobs: list[list[float]] | None = None,
     reference_ids: Sequence[Sequence[int]] | None = None,
     reference_logprobs: list[list[float]] | None = None,
+    reference_draft: bool = False,
 ) -> tuple[list[str], int]:
     """Generate one completion per prompt, in micro-batches of rows.
 
@@ -345,7 +346,8 @@ def generate_texts(
     With ``reference_ids`` (N,) lists of token ids, e.g. each row's reference answer, and
     ``reference_logprobs`` (an empty list), the teacher-forced log-probs of those tokens after
     the row's prompt are appended to it, one list per row: in the decode loop's own prefill
-    (``essa.backends.decode``), or a separate forward where that loop does not apply.
+    (``essa.backends.decode``), or a separate forward where that loop does not apply. With
+    ``reference_draft`` that prefill is also a greedy draft (``decode_rows``' ``draft``).
     """
     if not prompts:
         return [], 0
@@ -411,7 +413,7 @@ def generate_texts(
             new = decode_rows(
                 model, input_ids, attention_mask, kwargs, cache=cache, rows=rows,
                 set_rows=set_rows, guard=guard, guard_offset=start, picker=picker,
-                teacher=teacher, teacher_logprobs=reference_logprobs,
+                teacher=teacher, teacher_logprobs=reference_logprobs, draft=reference_draft,
             )  # fmt: skip
         else:
             if teacher is not None and reference_logprobs is not None:
