@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Row, median_spread, row, write_result
+from bench.common import Row, compact_png, median_spread, row, write_result
 
 RESULTS = Path("bench/results")
 
@@ -154,6 +154,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
+    compact_png(path)
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, Row, read_result, row
+from bench.common import RESULTS, Row, compact_png, read_result, row
 
 BENCH_DIR = Path(__file__).resolve().parent
 DOC = Path("docs/performance.md")
@@ -59,10 +59,8 @@ ON_DEMAND: list[tuple[str, list[str]]] = [
             "data.test_size=200",
         ],
     ),
-    ("compare", []),
     ("trl_grpo", ["--threads", "1"]),
     ("peers_memory", ["--threads", "1", "--repeats", "2"]),
-    ("smollm2_gym", ["--threads", "1"]),
     ("lisa", ["--seeds", "0", "1", "2", "--steps", "12"]),
     ("vllm_throughput", ["--repeats", "3"]),
     ("long_completions", ["--repeats", "3"]),  # this tree vs a baseline commit (~15 min)
@@ -259,6 +257,7 @@ def plot_throughput(path: Path) -> bool:
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
+    compact_png(path)
     plt.close(fig)
     return True
 
