@@ -4,7 +4,7 @@
 
 Runs `essa train` (the embedded default config, plus any --set overrides) once per seed in a
 fresh process, then writes bench/results/demo.json, bench/results/demo.png (held-out accuracy
-per generation) and prints a Markdown table for the README. Held-out numbers use the fixed test
+per generation) and prints a Markdown table (README and docs/results.md). Held-out numbers use the fixed test
 split, which no choice in training ever looks at.
 """
 

@@ -17,7 +17,7 @@ a fresh process, from ``configs/smollm2.yaml`` with only the task swapped in:
   ``algorithm: grpo`` with the same wall-clock budget: held-out accuracy against training
   seconds and generated tokens (``essa.compare``), and peak memory (RSS).
 
-Writes bench/results/real_model.json, real_model.md (the README table; ``--out NAME`` writes
+Writes bench/results/real_model.json, real_model.md (the table in docs/results.md; ``--out NAME`` writes
 NAME.json/.md instead) and one real_model_<task>.png per task (the first GRPO seed's). Sizes
 come from the config: held-out items per task (``--set data.test_size=N``), generations and the
 20-minute budget (``run.max_wall_seconds``).

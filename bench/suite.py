@@ -41,7 +41,7 @@ SUITE: list[tuple[str, list[str]]] = [
 ]
 # Longer runs: their recorded JSON is rendered; `--all` or their name runs them.
 ON_DEMAND: list[tuple[str, list[str]]] = [
-    ("demo", ["--seeds", "0", "1", "2"]),  # the README's accuracy table and plot (~5 min)
+    ("demo", ["--seeds", "0", "1", "2"]),  # the demo table and plot of docs/results.md (~5 min)
     ("prefix_cache", []),
     ("quant", ["--seeds", "0", "1", "2"]),
     (
@@ -166,7 +166,7 @@ def render(ran_now: set[str]) -> str:
         "bench/results/*.json; do not edit by hand. Each benchmark measures its ratios side by "
         "side in one run (timings on a shared CPU drift; ratios measured together do not), "
         "reports medians with [min–max, n] over repeats, and names the command that "
-        "reproduces it. `met` is empty where the issue sets no target.",
+        "reproduces it. `met` is empty where no target is set.",
         "",
         "```bash",
         "python -m bench                # the suite below (SUITE), <= 15 min on 2 cores",

@@ -193,7 +193,7 @@ def test_ablation_arms_are_paired_with_the_default_of_their_seed() -> None:
 
 
 def test_real_model_signal_arms_count_rows_and_compare_with_their_baseline(tmp_path: Path) -> None:
-    """The per-prompt switches' real-model arms (issue 21): rows, the curve with the final
+    """The per-prompt switches' real-model arms: rows, the curve with the final
     appended, skip/hint counts, rows per point of gain and rows-to-threshold against `pool`."""
     from bench.real_model_ablation import ARMS, prompt_signal, summarise
     from bench.real_model_ablation import table as ablation_table
