@@ -4,7 +4,7 @@
 
 Runs `essa train` (the embedded default config, plus any --set overrides) once per seed in a
 fresh process, then writes bench/results/demo.json, bench/results/demo.png (held-out accuracy
-per generation) and prints a Markdown table for the README. Held-out numbers use the fixed test
+per generation) and prints a Markdown table (README and docs/results.md). Held-out numbers use the fixed test
 split, which no choice in training ever looks at.
 """
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Row, median_spread, row, write_result
+from bench.common import Row, compact_png, median_spread, row, write_result
 
 RESULTS = Path("bench/results")
 
@@ -154,6 +154,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
+    compact_png(path)
 
 
 def main() -> None:

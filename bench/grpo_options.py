@@ -9,7 +9,7 @@ baseline included; the step count is open), so an option that costs more per ste
 for a user with a deadline. Held-out accuracy is measured before and after on the demo's 1000
 fixed pairs; each option's final adapter is compared with plain GRPO's of the same seed item by
 item (paired; per-item scores from each run's ``heldout_scores.jsonl``). Writes
-bench/results/grpo_options.json and grpo_options.md (the README table).
+bench/results/grpo_options.json and grpo_options.md (the table in docs/results.md).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import read_result, write_result
+from bench.common import compact_png, read_result, write_result
 from bench.demo import run_seed
 
 RESULTS = Path("bench/results")
@@ -154,6 +154,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     axes[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    compact_png(path)
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, fmt_spread, launch, median_spread, row, write_result
+from bench.common import RESULTS, compact_png, fmt_spread, launch, median_spread, row, write_result
 
 NAMES = ("essa", "grpo", "trl")
 
@@ -108,6 +108,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         args.output.mkdir(parents=True, exist_ok=True)
         (args.output / "peers.md").write_text(text + "\n")
         plot(curves, args.output / "peers.png")
+        compact_png(args.output / "peers.png")
     return {"seed": seed, "runs": runs, "table": text}
 
 

@@ -1,4 +1,4 @@
-"""Peak memory of ESSA vs our GRPO on SmolLM2-135M-Instruct, same batch (issue 7's target).
+"""Peak memory of ESSA vs our GRPO on SmolLM2-135M-Instruct, same batch (target <= 0.5x).
 
     python -m bench.peers_memory [--generations 1] [--rows 64] [--repeats 1] [--threads 2]
 

@@ -17,7 +17,7 @@ a fresh process, from ``configs/smollm2.yaml`` with only the task swapped in:
   ``algorithm: grpo`` with the same wall-clock budget: held-out accuracy against training
   seconds and generated tokens (``essa.compare``), and peak memory (RSS).
 
-Writes bench/results/real_model.json, real_model.md (the README table; ``--out NAME`` writes
+Writes bench/results/real_model.json, real_model.md (the table in docs/results.md; ``--out NAME`` writes
 NAME.json/.md instead) and one real_model_<task>.png per task (the first GRPO seed's). Sizes
 come from the config: held-out items per task (``--set data.test_size=N``), generations and the
 20-minute budget (``run.max_wall_seconds``).
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import math
 import statistics
 import sys
@@ -38,14 +39,14 @@ from typing import Any
 
 import yaml
 
-from bench.common import launch, write_result
+from bench.common import compact_png, launch, write_result
 
 RESULTS = Path("bench/results")
 CONFIG = Path("configs/smollm2.yaml")
 # Finished commands' records, kept in the repository: the run directories under --root live on
 # one machine, and a paired comparison with an earlier arm needs that arm's per-item scores.
 # With --reuse, a command missing from --root is restored from here when its arguments and task
-# config are the same; every command run or reused is archived.
+# config are the same; every command run or reused is archived (one .jsonl.xz per task).
 ARCHIVE = RESULTS / "runs"
 RUN_FILES = ("config.yaml", "summary.json", "metrics.jsonl", "heldout_scores.jsonl", "phases.jsonl")
 # The table's no-search column: the scale baseline runs inside the timed ESSA run (about two
@@ -99,9 +100,35 @@ def reusable(done: Path, log: Path, reuse: bool) -> float | None:
     return float(log.with_suffix(".seconds").read_text())
 
 
-def archive_dir(log: Path) -> Path:
-    """Where a command's records are kept: ARCHIVE/<task>/<command name> (its log's stem)."""
-    return ARCHIVE / log.parent.name / log.stem
+def archive_file(log: Path) -> Path:
+    """The task's archive, one compressed file per task: ARCHIVE/<task>.jsonl.xz, one JSON line
+    per command (its log's stem) holding its ``command.json`` and its files' text."""
+    return ARCHIVE / f"{log.parent.name}.jsonl.xz"
+
+
+def read_archive(path: Path) -> dict[str, dict[str, Any]]:
+    """The records of one archive file by command name (empty when there is none)."""
+    if not path.exists():
+        return {}
+    with lzma.open(path, "rt", encoding="utf-8") as f:
+        return {r["name"]: r for r in map(json.loads, f)}
+
+
+def write_archive(path: Path, records: dict[str, dict[str, Any]]) -> None:
+    """Rewrite one archive file, records sorted by name (xz keeps no timestamp: same records,
+    same bytes), atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with lzma.open(tmp, "wt", encoding="utf-8", preset=9) as f:
+        for name in sorted(records):
+            f.write(json.dumps(records[name], sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def archived(log: Path) -> dict[str, Any] | None:
+    """The archived record of the command whose log is ``log``: ``name``, ``command`` (its
+    arguments, task config, seconds, file names) and ``files`` (name -> text); None if none."""
+    return read_archive(archive_file(log)).get(log.stem)
 
 
 def identity(args: list[str]) -> dict[str, Any]:
@@ -134,47 +161,50 @@ def effective(args: list[str], config_text: str) -> dict[str, Any]:
 
 
 def archive(args: list[str], log: Path, seconds: float, keep: list[Path]) -> None:
-    """Copy a finished command's records (``keep``, a few hundred KB) into the repository."""
-    out = archive_dir(log)
-    out.mkdir(parents=True, exist_ok=True)
-    for path in keep:
-        (out / path.name).write_bytes(path.read_bytes())
+    """Add a finished command's records (``keep``, a few hundred KB of text) to its task's
+    archive in the repository."""
+    path = archive_file(log)
+    records = read_archive(path)
     command = {**identity(args), "seconds": seconds, "files": [p.name for p in keep]}
-    (out / "command.json").write_text(json.dumps(command, indent=1) + "\n")
+    files = {p.name: p.read_text() for p in keep}
+    records[log.stem] = {"name": log.stem, "command": command, "files": files}
+    write_archive(path, records)
 
 
-def same_command(args: list[str], log: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The archived record of this command and its ``command.json``: its own
-    (ARCHIVE/<task>/<name>) or, under another name, one of a command that ran the same config
-    (an ablation arm that became the default); None when there is none."""
-    own = archive_dir(log)
-    candidates = [own, *sorted(p for p in own.parent.glob("*") if p != own)]
+def same_command(args: list[str], log: Path) -> dict[str, Any] | None:
+    """The archived record of this command: its own (same name) or, under another name, one of
+    a command that ran the same config (an ablation arm that became the default); None when
+    there is none."""
+    records = read_archive(archive_file(log))
+    names = [log.stem, *sorted(n for n in records if n != log.stem)]
     mine = effective(args, Path(args[1]).read_text())
-    for src in candidates:
-        if not (src / "command.json").exists():
+    for name in names:
+        record = records.get(name)
+        if record is None:
             continue
-        command = json.loads((src / "command.json").read_text())
+        command = record["command"]
         if effective(command["args"], command["config"]) == mine:
-            return src, command
-    if (own / "command.json").exists():
-        print(f"[bench] {own} is another command's record: running it", flush=True)
+            return record
+    if log.stem in records:
+        print(f"[bench] {log.stem} in {archive_file(log)} is another command's record: running it",
+              flush=True)  # fmt: skip
     return None
 
 
 def restore(args: list[str], log: Path, keep: list[Path]) -> float | None:
     """The archived records of this very command put back where the command writes them; its
     wall seconds, or None when none is archived with the same config and arguments."""
-    found = same_command(args, log)
-    if found is None:
+    record = same_command(args, log)
+    if record is None:
         return None
-    src, command = found
     for path in keep:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes((src / path.name).read_bytes())
-    log.write_text(f"restored from {src}\n")
-    log.with_suffix(".seconds").write_text(f"{command['seconds']}\n")
-    print(f"[bench] restored {log.stem} from {src}", flush=True)
-    return float(command["seconds"])
+        path.write_text(record["files"][path.name])
+    source = f"{archive_file(log)}:{record['name']}"
+    log.write_text(f"restored from {source}\n")
+    log.with_suffix(".seconds").write_text(f"{record['command']['seconds']}\n")
+    print(f"[bench] restored {log.stem} from {source}", flush=True)
+    return float(record["command"]["seconds"])
 
 
 def timed(
@@ -416,6 +446,7 @@ def plot_task(task: str, essa_run: dict, grpo: dict, path: Path) -> None:
     fig.suptitle(f"SmolLM2-135M-Instruct, reasoning-gym {task}, seed {essa_run['seed']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    compact_png(path)
 
 
 def mean_accuracy(runs: list[dict], key: str) -> float | None:

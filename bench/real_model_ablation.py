@@ -1,4 +1,4 @@
-"""Signal per CPU-second on the real model (issue 15, deliverable 2): one change at a time.
+"""Signal per CPU-second on the real model: one change at a time.
 
     python -m bench.real_model_ablation [--task chain_sum] [--seeds 0 1 2] [--arms ...]
 
@@ -9,7 +9,7 @@ reused from its ``--root`` when it has finished there (``--reuse``). Each arm is
 the default arm of the same seed on the same held-out items (paired), and its held-out gain
 over its own SFT adapter per wall-minute (2 cores) is reported.
 
-Issue 21's per-prompt switches on the real model are arms too (``pool_greso``, ``pool_hints``):
+The per-prompt switches (GRESO, hints) on the real model are arms too (``pool_greso``, ``pool_hints``):
 they act on a prompt's own history, which needs prompts that come back, so they and their
 baseline ``pool`` train on a 128-prompt pool and are paired with ``pool``::
 
@@ -46,7 +46,7 @@ ARMS: dict[str, list[str]] = {
     "start_sft": ["optimizer.start=sft"],  # the search starts at the SFT adapter itself
     "more_prompts": ["data.batch_size=64", "optimizer.population_size=8"],  # same rows
     # SFT length. The config ships 48 steps since `longer_sft` ran against 24-step default runs
-    # (session 8); `short_sft` measures the 24 steps against default runs made from now on.
+    # (real_model_ablation_mb128); `short_sft` measures 24 steps against later default runs.
     "longer_sft": ["sft.steps=48"],
     "short_sft": ["sft.steps=24"],
     # Memory: 128 rows per forward instead of the population's 512 (peak RSS vs speed). The
@@ -56,7 +56,7 @@ ARMS: dict[str, list[str]] = {
     "one_forward": ["evaluation.micro_batch_size=1024"],
     # Hansen's escape from flat fitness: sigma x1.22 when the task reward ties the top 70%
     "escape_flat": ["optimizer.escape_flat_reward=true"],
-    # Issue 21 on the real model: the per-prompt switches need prompts that come back, so these
+    # GRESO and hints on the real model: the per-prompt switches need prompts that come back, so these
     # arms share a 128-prompt training pool (35 generations x 32 prompts: ~9 visits each) and
     # are compared with `pool` (`--baseline pool`), not with the default's full pool, where a
     # prompt is drawn about once.
@@ -74,7 +74,7 @@ def gain_per_minute(run: dict[str, Any]) -> float:
 
 def prompt_signal(run_dir: Path, final: float) -> dict[str, Any]:
     """Rows generated, the held-out curve against rows (SFT, every pass, the final) and the
-    per-prompt switches' counts, from the run's metrics.jsonl (issue 21's measures)."""
+    per-prompt switches' counts, from the run's metrics.jsonl (what docs/informative-prompts.md measures)."""
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in records if m["generation"] >= 0]
     rows = sum(rows_per_step(run_dir, m) for m in steps)

@@ -1,4 +1,4 @@
-"""Informative prompts and process rewards (issue 21): each switch beside the same recipe off.
+"""Informative prompts and process rewards: each switch beside the same recipe off.
 
     python -m bench.signal [--seeds 0 1 2] [--recipes essa grpo] [--switches greso ...]
                            [--pool N]
@@ -26,7 +26,7 @@ the demo's pool of 9000 prompts is drawn 1536 (ESSA) or 960 (GRPO) times per run
 is rarely seen twice and the switches, which act on a prompt's own history, have little to act
 on; a small pool is revisited (N = 128: about 12 and 7 visits per prompt).
 
-Writes bench/results/signal.json and signal.md (the README table), or signal_pool<N>.*, or
+Writes bench/results/signal.json and signal.md (the table in docs/results.md), or signal_pool<N>.*, or
 ``--out NAME``.*.
 """
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, Row, read_result, row
+from bench.common import RESULTS, Row, compact_png, read_result, row
 
 BENCH_DIR = Path(__file__).resolve().parent
 DOC = Path("docs/performance.md")
@@ -41,7 +41,7 @@ SUITE: list[tuple[str, list[str]]] = [
 ]
 # Longer runs: their recorded JSON is rendered; `--all` or their name runs them.
 ON_DEMAND: list[tuple[str, list[str]]] = [
-    ("demo", ["--seeds", "0", "1", "2"]),  # the README's accuracy table and plot (~5 min)
+    ("demo", ["--seeds", "0", "1", "2"]),  # the demo table and plot of docs/results.md (~5 min)
     ("prefix_cache", []),
     ("quant", ["--seeds", "0", "1", "2"]),
     (
@@ -59,10 +59,8 @@ ON_DEMAND: list[tuple[str, list[str]]] = [
             "data.test_size=200",
         ],
     ),
-    ("compare", []),
     ("trl_grpo", ["--threads", "1"]),
     ("peers_memory", ["--threads", "1", "--repeats", "2"]),
-    ("smollm2_gym", ["--threads", "1"]),
     ("lisa", ["--seeds", "0", "1", "2", "--steps", "12"]),
     ("vllm_throughput", ["--repeats", "3"]),
     ("long_completions", ["--repeats", "3"]),  # this tree vs a baseline commit (~15 min)
@@ -168,7 +166,7 @@ def render(ran_now: set[str]) -> str:
         "bench/results/*.json; do not edit by hand. Each benchmark measures its ratios side by "
         "side in one run (timings on a shared CPU drift; ratios measured together do not), "
         "reports medians with [min–max, n] over repeats, and names the command that "
-        "reproduces it. `met` is empty where the issue sets no target.",
+        "reproduces it. `met` is empty where no target is set.",
         "",
         "```bash",
         "python -m bench                # the suite below (SUITE), <= 15 min on 2 cores",
@@ -259,6 +257,7 @@ def plot_throughput(path: Path) -> bool:
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
+    compact_png(path)
     plt.close(fig)
     return True
 

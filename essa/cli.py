@@ -1,4 +1,4 @@
-"""The ``essa`` command line: train, sft, eval, config show/validate.
+"""The ``essa`` command line: train, sft, eval, export, compare, config show/validate.
 
 User errors (bad config, missing files, bad data) print one line ``error: ...`` on stderr and
 exit with code 2; they never print a traceback.
@@ -27,22 +27,31 @@ from essa.config import (
 )
 from essa.errors import UserError
 
+# Plain click help (rich_markup_mode=None): one paragraph per docstring, line breaks joined, and
+# no type column that would show `--help <bool>`.
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=False,
     pretty_exceptions_enable=False,
-    help="essa-align: gradient-free alignment of LLMs (ESSA).",
+    rich_markup_mode=None,
+    help="Align language models without gradients: ESSA searches a LoRA's singular values.",
 )
 config_app = typer.Typer(
-    add_completion=False, pretty_exceptions_enable=False, help="Inspect and check config files."
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="Print or check config files.",
 )
 app.add_typer(config_app, name="config")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-ConfigArg = Annotated[Path | None, typer.Argument(help="YAML config (default: the embedded demo)")]
+ConfigArg = Annotated[
+    Path | None, typer.Argument(metavar="CONFIG", help="YAML config (default: the embedded demo)")
+]
 SetOpt = Annotated[
-    list[str] | None, typer.Option("--set", help="Override, e.g. optimizer.sigma0=0.2")
+    list[str] | None,
+    typer.Option("--set", metavar="KEY=VALUE", help="Override, e.g. optimizer.sigma0=0.2"),
 ]
 
 
@@ -133,12 +142,15 @@ def train(
     config: ConfigArg = None,
     set_: SetOpt = None,
     resume: Annotated[Path | None, typer.Option(help="Continue the run in this directory")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory")] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing run directory")
+    ] = False,
     run_dir: Annotated[Path | None, typer.Option(help="Run directory (overrides run.dir)")] = None,
 ) -> None:
-    """Align a model with ESSA, or GRPO / DPO / ScaleBiO by ``algorithm`` (SFT first if needed).
+    """Train an adapter with ESSA or the config's algorithm.
 
-    Under mpiexec/srun every rank runs this; see docs/scaling.md.
+    SFT runs first when the config names no adapter. Under mpiexec or srun every rank runs this
+    command (docs/scaling.md).
     """
     from essa.dist import get_comm
     from essa.rundir import prepare_run_dir
@@ -218,10 +230,16 @@ def next_steps(run_dir: Path, summary: dict[str, Any]) -> str:
 def sft(
     config: ConfigArg = None,
     set_: SetOpt = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing run directory")] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing run directory")
+    ] = False,
     run_dir: Annotated[Path | None, typer.Option(help="Run directory (overrides run.dir)")] = None,
 ) -> None:
-    """Train the SFT LoRA adapter only (RUN_DIR/sft_adapter); full/LISA: RUN_DIR/sft_model."""
+    """Train only the SFT adapter and save it in the run directory.
+
+    A LoRA goes to RUN_DIR/sft_adapter; with sft.trainable full or lisa the whole model goes to
+    RUN_DIR/sft_model.
+    """
     from essa.backends.hf import load_model
     from essa.recipes.common import load_or_train_adapter, load_task, seed_everything
     from essa.rundir import prepare_run_dir
@@ -271,9 +289,11 @@ def evaluate(
         typer.Option(help="Write the JSON result here, and per-item records to FILE.items.jsonl"),
     ] = None,
 ) -> None:
-    """pass@1 (full credit) and mean_score (the held-out score training reports, partial
-    credit included) on the held-out split under evaluation.metric; with --samples K also
-    avg@K, pass@K and maj@K."""
+    """Score a model or adapter on the held-out split.
+
+    The score is evaluation.metric. Prints pass@1 (full credit) and mean_score (partial credit included, as training reports
+    it); with --samples K also avg@K, pass@K and maj@K.
+    """
     from essa.backends.hf import load_model
     from essa.evaluation import check_heldout_answers, heldout_metric
     from essa.recipes.common import load_task, seed_everything
@@ -383,16 +403,21 @@ def _sample_metrics(
 @app.command("export")
 @guarded
 def export(
-    run_dir: Annotated[Path, typer.Argument(help="A finished run directory")],
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A finished run directory")],
     merged: Annotated[
         Path, typer.Option(help="Write the adapter merged into the base here (plain HF model)")
     ],
     adapter: Annotated[
         Path | None, typer.Option(help="PEFT adapter to merge (default: RUN_DIR/adapter)")
     ] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing output directory")] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing output directory")
+    ] = False,
 ) -> None:
-    """Merge the run's chosen adapter into its base: a checkpoint served without PEFT."""
+    """Merge a run's adapter into its base model for serving.
+
+    The result is a plain checkpoint that transformers and vLLM load without PEFT.
+    """
     from essa.adapters.merge_export import export_merged
 
     _setup_logging()
@@ -437,13 +462,19 @@ def _with_run_lengths(cfg: Config, run_dir: Path) -> Config:
 @app.command()
 @guarded
 def compare(
-    run_dirs: Annotated[list[Path], typer.Argument(help="Finished run directories")],
+    run_dirs: Annotated[
+        list[Path], typer.Argument(metavar="RUN_DIR", help="Finished run directories")
+    ],
     output: Annotated[Path, typer.Option(help="Where compare.md and compare.png go")] = Path(
         "runs/compare"
     ),
     target: Annotated[float, typer.Option(help="Held-out accuracy to time")] = 0.9,
 ) -> None:
-    """Compare ESSA and GRPO runs: a Markdown table and accuracy/reward curves (PNG)."""
+    """Compare finished runs in a table and a plot.
+
+    The Markdown table and the PNG show held-out accuracy and training reward against seconds
+    and generated tokens.
+    """
     from essa.compare import compare as write_comparison
     from essa.rundir import check_output
 
@@ -456,13 +487,15 @@ def compare(
 @config_app.command("show")
 @guarded
 def config_show(config: ConfigArg = None, set_: SetOpt = None) -> None:
-    """Print the resolved config (defaults filled in, overrides applied)."""
+    """Print the resolved config with defaults and overrides applied."""
     typer.echo(dump_config(_resolve(config, set_)), nl=False)
 
 
 @config_app.command("validate")
-def config_validate(paths: Annotated[list[Path], typer.Argument(help="Config files")]) -> None:
-    """Check config files; exit 2 if any is invalid."""
+def config_validate(
+    paths: Annotated[list[Path], typer.Argument(metavar="CONFIG", help="Config files")],
+) -> None:
+    """Check config files and exit with code 2 if any is invalid."""
     bad = 0
     for path in paths:
         try:

@@ -193,7 +193,7 @@ def test_ablation_arms_are_paired_with_the_default_of_their_seed() -> None:
 
 
 def test_real_model_signal_arms_count_rows_and_compare_with_their_baseline(tmp_path: Path) -> None:
-    """The per-prompt switches' real-model arms (issue 21): rows, the curve with the final
+    """The per-prompt switches' real-model arms: rows, the curve with the final
     appended, skip/hint counts, rows per point of gain and rows-to-threshold against `pool`."""
     from bench.real_model_ablation import ARMS, prompt_signal, summarise
     from bench.real_model_ablation import table as ablation_table
@@ -280,9 +280,10 @@ def test_reuse_restores_an_archived_command_only_when_it_is_the_same_one(
     args = ["train", str(config), "--set", "run.seed=0"]
     root.mkdir(parents=True)
     assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0
-    archived = tmp_path / "archive" / "chain_sum" / "essa-seed0"
-    assert json.loads((archived / "command.json").read_text())["seconds"] == 31.0
-    assert (archived / "heldout_scores.jsonl").read_text() == '{"scores": [1.0, 0.0]}\n'
+    archived = rm.archived(log)
+    assert rm.archive_file(log) == tmp_path / "archive" / "chain_sum.jsonl.xz"
+    assert archived is not None and archived["command"]["seconds"] == 31.0
+    assert archived["files"]["heldout_scores.jsonl"] == '{"scores": [1.0, 0.0]}\n'
 
     for path in [*keep, log.with_suffix(".seconds")]:  # the machine is wiped
         path.unlink()
@@ -296,7 +297,8 @@ def test_reuse_restores_an_archived_command_only_when_it_is_the_same_one(
     config.write_text("data: {batch_size: 64}\n")  # another task config: the record is not it
     assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 32.0
     assert len(calls) == 2
-    assert json.loads((archived / "command.json").read_text())["config"] == config.read_text()
+    record = rm.archived(log)  # the record now is the new config's run
+    assert record is not None and record["command"]["config"] == config.read_text()
     other = [*args, "--set", "data.batch_size=16"]  # other arguments: run as well
     for path in [*keep, log.with_suffix(".seconds")]:
         path.unlink()
@@ -348,7 +350,7 @@ def test_reuse_restores_the_record_of_an_arm_that_ran_the_same_config(
     assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 41.0  # restored, not run
     assert len(calls) == 1
     assert json.loads(keep[0].read_text()) == {"run": str(root / "ablation-longer_sft-seed0")}
-    assert (tmp_path / "archive" / "chain_sum" / "essa-seed0" / "command.json").exists()
+    assert rm.archived(log) is not None  # archived under its own name too
 
     args, log, keep = command("essa-seed1", "run.seed=1")  # another seed: run
     assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 42.0

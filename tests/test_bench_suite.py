@@ -7,6 +7,7 @@ counts, the report naming every benchmark), never speed.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,22 @@ def test_suite_runs_a_module_in_a_fresh_process(
     assert result["machine"]["torch_threads"] == 1
     failed = suite.run_one("optimizer_timing", ["--dims", "-5"])
     assert failed["exit_code"] != 0
+
+
+def test_bench_results_in_git_stay_under_one_megabyte() -> None:
+    """The records kept in git (summary JSONs, plots, one compressed run archive per study) stay
+    under 1 MB, so a clone does not carry every run's files: the sizes are git's own blobs."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: nothing is tracked")
+    listed = subprocess.run(
+        ["git", "ls-files", "-s", "bench/results"], cwd=REPO, capture_output=True, text=True,
+        check=True,
+    ).stdout.splitlines()  # fmt: skip
+    blobs = "".join(line.split()[1] + "\n" for line in listed)
+    sizes = subprocess.run(
+        ["git", "cat-file", "--batch-check=%(objectsize)"], cwd=REPO, input=blobs,
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    assert len(sizes) == len(listed) > 10  # the summaries are there and every blob was sized
+    total = sum(map(int, sizes))
+    assert total < 1_000_000, f"bench/results holds {total:,} bytes in git (budget 1,000,000)"

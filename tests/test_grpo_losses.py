@@ -1,4 +1,4 @@
-"""GRPO-family math against hand-computed values from ../shared/spec/grpo-family.md, plus TRL.
+"""GRPO-family math against hand-computed values, plus TRL.
 
 Each variant's advantages, token loss and normaliser are checked on numbers worked out by hand
 (section numbers refer to the spec); the grpo, dr_grpo and dapo losses and gradients are also

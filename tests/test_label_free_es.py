@@ -1,4 +1,4 @@
-"""Label-free and log-prob rewards through the ESSA population (issue 18).
+"""Label-free and log-prob rewards through the ESSA population.
 
 Common random numbers on the HF evaluator, the generated tokens' log-probs, and end-to-end
 runs with TTRL's vote (within a candidate's samples, or over the whole population), RLSC

@@ -1,6 +1,6 @@
 """What a run writes beside its metrics, for both recipes through the real CLI on the demo model:
 the held-out metric (``evaluation.metric``) named in the summary, samples.jsonl at every
-evaluation, and a TensorBoard event file read back (issue 17).
+evaluation, and a TensorBoard event file read back.
 
 The held-out split is cut to 4 items, the samples shown per evaluation, so the samples hold every
 held-out completion and the summary's scores can be recomputed from them.

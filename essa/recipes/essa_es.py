@@ -6,7 +6,7 @@ log and checkpoint. Held-out accuracy of the distribution mean is measured every
 ``evaluation.every`` generations and never feeds back into training. What a run does around
 the loop (run directory, signals, budget, progress, summary) is essa/harness.py.
 
-Deviations from the paper (see ../shared/spec/essa.md §4):
+Deviations from the paper (docs/method.md lists them too):
 * one common mini-batch per generation (common random numbers) instead of one per candidate;
 * greedy decoding by default;
 * CMA-ES steps are relative: coordinate i moves in units of its SFT singular value;

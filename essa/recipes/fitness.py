@@ -274,7 +274,7 @@ def reference_term(logprobs: list[list[list[float]]]) -> np.ndarray:
 def signal_metrics(fitness: Fitness, n_prompts: int) -> dict[str, float]:
     """How much the reward separates the population, in prompts of this generation's batch:
     best minus mean (the margin the ranking rests on) and the spread across candidates. A
-    margin of one or two prompts out of 32 is mostly noise (issue 15's SmolLM2 runs)."""
+    margin of one or two prompts out of 32 is mostly noise (the SmolLM2 runs of docs/real-model.md)."""
     finite = fitness[np.isfinite(fitness)]
     if finite.size == 0:
         return {}

@@ -10,7 +10,7 @@ successes join their prompt's group, essa/recipes/grpo_replay.py), an ERA-style 
 the logits (``grpo.entropy.floor``), a staged temperature (``grpo.temperature_schedule``) and a
 training subset (``grpo.train_examples``, 1-shot RLVR). Held-out accuracy is greedy, on the same fixed test
 split as ESSA, every ``evaluation.every`` steps, and never feeds back into training.
-Formulas and presets: essa/recipes/grpo_losses.py and ../shared/spec/grpo-family.md.
+Formulas and presets, with their papers: essa/recipes/grpo_losses.py.
 With ``grpo.cure.use_branching``, CURE's first stage (essa/recipes/cure.py, docs/cure.md) fills
 each group with originals and their branches from high-entropy critical tokens.
 

@@ -1,7 +1,7 @@
 """The GRPO family as pure functions on tensors: advantages, token losses, normalisers, presets.
 
-Everything here follows ../shared/spec/grpo-family.md (section numbers below refer to it) and
-nothing here touches a model, an optimizer or a global: each function maps tensors to tensors,
+Each function names its paper and, as "spec §N", the section of the project's GRPO-family
+specification it implements (kept with the design notes, outside the package); nothing here touches a model, an optimizer or a global: each function maps tensors to tensors,
 and the one piece of running state (DCPO's per-prompt statistics) is passed in and returned.
 
 Shapes: N prompts (groups) of G completions each; B = N * G completion rows of T tokens.

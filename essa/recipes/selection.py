@@ -5,7 +5,7 @@ ESSA recipe (spread across the population's candidates of the generation's share
 the GRPO recipe (spread across the G completions of the prompt's group). numpy only; the
 recipes do the generating. Formulas, defaults and deviations: docs/informative-prompts.md.
 
-* **GRESO** (arXiv 2506.02177, ../shared/spec/grpo-family.md §10): a prompt whose latest z
+* **GRESO** (arXiv 2506.02177, "Act Only When It Pays"): a prompt whose latest z
   visits all had zero spread is skipped before generation with probability
   ``1 - max(p**z, floor)``; p (one for easy, one for hard prompts) moves by ``explore_step``
   toward a target zero-spread ratio after every step. The batch is refilled from the next
