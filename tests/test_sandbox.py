@@ -94,6 +94,13 @@ def test_an_exception_is_a_tool_error_with_its_last_line() -> None:
 
 
 @needs_bwrap
+def test_code_larger_than_a_pipe_buffer_goes_in_whole() -> None:
+    padding = "#" * 100 + "\n"
+    result = run(padding * 5000 + "print('end')")  # about 500 kB
+    assert (result.stdout, result.error) == ("end\n", None)
+
+
+@needs_bwrap
 def test_the_private_tmp_is_writable_and_the_standard_library_loads() -> None:
     result = run("""
         import fractions, os
@@ -284,6 +291,8 @@ def test_missing_bwrap_is_one_line_unless_allowed(monkeypatch: pytest.MonkeyPatc
     assert "\n" not in str(err.value)
     assert "apt-get install bubblewrap" in str(err.value) and "allow_unisolated" in str(err.value)
     assert select_isolation(UNISOLATED) == "rlimits"
+    with pytest.raises(SandboxUnavailable, match="needs allow_unisolated"):
+        run_python("print(1)", LIMITS, "rlimits")  # asked for by name: still not allowed
     assert run_python("print(2 + 3)", UNISOLATED).stdout == "5\n"
 
 

@@ -132,6 +132,8 @@ def run_python(
     '5\\n'
     """
     isolation = isolation or select_isolation(limits)
+    if isolation == "rlimits" and not limits.allow_unisolated:
+        raise SandboxUnavailable("tools.python: running without isolation needs allow_unisolated")
     uid = 0  # keep this process's uid
     if isolation == "bwrap" and os.geteuid() == 0:
         uid = _SANDBOX_UIDS[0] + secrets.randbelow(_SANDBOX_UIDS[1] - _SANDBOX_UIDS[0])
