@@ -7,7 +7,7 @@ site-packages, read-only) under these limits (``tools.python`` in the config, do
   time (RLIMIT_CPU, the same number rounded up);
 * address space per process (RLIMIT_AS), processes and threads (RLIMIT_NPROC), file size
   (RLIMIT_FSIZE), no core dumps;
-* stdout and stderr each cut at ``max_output_chars``; a snippet that writes past it is stopped.
+* stdout and stderr each cut at ``max_output_chars``; a snippet that keeps writing is stopped.
 
 Isolation is bubblewrap (``bwrap``): new PID, network, IPC and UTS namespaces (no network
 beyond an empty loopback; the snippet sees only its own processes), a root filesystem that holds
@@ -17,8 +17,9 @@ snippet drops to a uid of its own, so RLIMIT_NPROC counts only its processes (ro
 from it) and it cannot signal anything outside; run as a user, bwrap makes a user namespace.
 
 Without bwrap, ``allow_unisolated: true`` runs the snippet as a plain subprocess with the same
-resource limits (and, as root, its own uid) but no isolation: it can read what that uid can
-read and reach the network. Otherwise a missing bwrap raises :class:`SandboxUnavailable`.
+time, memory, file-size and output limits but no isolation: it keeps the caller's uid (root is
+exempt from the process limit), reads what that uid can read and reaches the network.
+Otherwise a missing bwrap raises :class:`SandboxUnavailable`.
 """
 
 from __future__ import annotations
