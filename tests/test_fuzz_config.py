@@ -93,11 +93,15 @@ def mutated_configs(draw: st.DrawFn) -> str:
     """The default config as YAML with one to three keys replaced, added or deleted."""
     data = to_dict(Config())
     for _ in range(draw(st.integers(1, 3))):
-        section = draw(st.sampled_from(sorted(data)))
         node = data
-        if isinstance(data[section], dict) and draw(st.booleans()):
-            node = data[section]
-        key = draw(st.one_of(st.sampled_from(sorted(node)), st.text(max_size=6)))
+        # Down into a section and on into its sub-sections (tools.python, optimizer.layerwise).
+        while (keys := sorted(node)) and draw(st.booleans()):
+            child = node[draw(st.sampled_from(keys))]
+            if not isinstance(child, dict):
+                break
+            node = child
+        names = st.text(max_size=6)  # an empty section (all deleted) gets new keys only
+        key = draw(st.one_of(st.sampled_from(keys), names) if keys else names)
         action = draw(st.sampled_from(["replace", "replace", "delete"]))
         if action == "delete":
             node.pop(key, None)
@@ -265,6 +269,12 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "vllm.max_model_len": AT_LEAST_1,
     "vllm.kv_cache_space_gb": AT_LEAST_1,
     "vllm.max_num_seqs": AT_LEAST_1,
+    "tools.python.timeout_seconds": POSITIVE,
+    "tools.python.memory_mb": AT_LEAST_1,
+    "tools.python.max_processes": AT_LEAST_1,
+    "tools.python.max_file_mb": AT_LEAST_1,
+    "tools.python.max_output_chars": AT_LEAST_1,
+    "tools.python.max_concurrent": AT_LEAST_1,
 }  # fmt: skip
 UNBOUNDED = {"grpo.replay.min_reward"}  # a reward threshold: any real number is meaningful
 
