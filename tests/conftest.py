@@ -10,6 +10,8 @@ such a test is a failure, so a green run cannot mean the component was never exe
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -108,7 +110,61 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "component(name): needs an optional component (see tests/conftest.py)"
     )
+    config.addinivalue_line(
+        "markers", "early(*argv): argv starts when collection ends; the test runs last (early_run)"
+    )
     config.stash[_LEDGER] = ComponentLedger(required_components())
+    config.stash[_EARLY_PROCS] = []
+
+
+# --------------------------------------------------------------------- commands run beside the suite
+
+ROOT = Path(__file__).resolve().parent.parent
+_EARLY = pytest.StashKey[tuple[subprocess.Popen[bytes], Any]]()
+_EARLY_PROCS = pytest.StashKey[list[subprocess.Popen[bytes]]]()
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection: start only what will run
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Start each selected ``early`` test's command now and move that test to the end.
+
+    The suite runs one thread (pytest_configure above), so on CI's 2 cores a single-threaded
+    command such as mypy runs on the otherwise idle core while the other tests run; the test
+    then waits for it and checks its result, so the check itself is unchanged.
+    """
+    early = [item for item in items if item.get_closest_marker("early")]
+    if not early or config.option.collectonly:
+        return
+    for item in early:
+        out = tempfile.TemporaryFile()  # noqa: SIM115 (outlives this hook: early_run reads it)
+        argv = item.get_closest_marker("early").args  # type: ignore[union-attr]
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        item.stash[_EARLY] = (proc, out)
+        config.stash[_EARLY_PROCS].append(proc)
+    items[:] = [item for item in items if item not in early] + early
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for proc in session.config.stash.get(_EARLY_PROCS, []):
+        if proc.poll() is None:  # its test never ran (-x, Ctrl-C): leave nothing behind
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def early_run(request: pytest.FixtureRequest) -> subprocess.CompletedProcess[str]:
+    """The finished run of this test's ``early`` command: exit code and output (stderr in stdout)."""
+    item = request.node
+    argv = item.get_closest_marker("early").args
+    if _EARLY not in item.stash:  # not started at collection (e.g. a rerun): run it here
+        res = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+        return subprocess.CompletedProcess(argv, res.returncode, res.stdout + res.stderr, "")
+    proc, out = item.stash[_EARLY]
+    proc.wait()
+    out.seek(0)
+    text = out.read().decode(errors="replace")
+    out.close()
+    return subprocess.CompletedProcess(argv, proc.returncode, text, "")
 
 
 def _skip_reason(report: pytest.TestReport) -> str:

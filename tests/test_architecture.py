@@ -137,8 +137,6 @@ def test_seams_have_no_any() -> None:
 
 
 @pytest.mark.slow
-def test_mypy_passes_on_the_package() -> None:
-    res = subprocess.run(
-        [sys.executable, "-m", "mypy", "essa"], cwd=ROOT, capture_output=True, text=True
-    )
-    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-2000:]
+@pytest.mark.early(sys.executable, "-m", "mypy", "essa")  # beside the suite (tests/conftest.py)
+def test_mypy_passes_on_the_package(early_run: subprocess.CompletedProcess[str]) -> None:
+    assert early_run.returncode == 0, early_run.stdout[-7000:]
