@@ -87,13 +87,23 @@ def test_svd_grpo_dapo_exports_a_changed_adapter(tmp_path: Path) -> None:
     assert lora_changed(run_dir)
 
 
-@pytest.mark.slow
-def test_grpo_resume_matches_uninterrupted(tmp_path: Path) -> None:
-    # A constant LR: a schedule over run.generations would differ between a 2- and a 4-step run.
-    small = [*SMALL, "grpo.lr_schedule=constant"]
-    ref = tmp_path / "ref"
-    res = essa("train", "--run-dir", str(ref), *sets(*small, "run.generations=4"))
+# A constant LR: a schedule over run.generations would differ between a 2- and a 4-step run.
+CONSTANT = [*SMALL, "grpo.lr_schedule=constant"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted 4-step run that both resume tests below must end bit-exactly on (run
+    once; the tests only read it)."""
+    ref = tmp_path_factory.mktemp("grpo-ref") / "ref"
+    res = essa("train", "--run-dir", str(ref), *sets(*CONSTANT, "run.generations=4"))
     assert res.returncode == 0, res.stderr[-3000:]
+    return ref
+
+
+@pytest.mark.slow
+def test_grpo_resume_matches_uninterrupted(tmp_path: Path, reference: Path) -> None:
+    small, ref = CONSTANT, reference
     run_dir = tmp_path / "split"
     res = essa("train", "--run-dir", str(run_dir), *sets(*small, "run.generations=2"))
     assert res.returncode == 0, res.stderr[-3000:]
@@ -109,12 +119,9 @@ def test_grpo_resume_matches_uninterrupted(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_grpo_full_disk_mid_run_stops_then_resumes_exactly(tmp_path: Path) -> None:
+def test_grpo_full_disk_mid_run_stops_then_resumes_exactly(tmp_path: Path, reference: Path) -> None:
     """ENOSPC while checkpointing step 3: one error line, step 2's checkpoint intact, resume exact."""
-    small = [*SMALL, "grpo.lr_schedule=constant", "run.generations=4"]
-    ref = tmp_path / "ref"
-    res = essa("train", "--run-dir", str(ref), *sets(*small))
-    assert res.returncode == 0, res.stderr[-3000:]
+    small, ref = [*CONSTANT, "run.generations=4"], reference
     run_dir = tmp_path / "run"
     res = essa("train", "--run-dir", str(run_dir), *sets(*small), env={"ESSA_FAULT": "enospc@3"})
     assert res.returncode == 2, res.stderr[-3000:]
