@@ -117,7 +117,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_EARLY_PROCS] = []
 
 
-# --------------------------------------------------------------------- commands run beside the suite
+# -------------------------------------------------------------- commands run beside the suite
 
 ROOT = Path(__file__).resolve().parent.parent
 _EARLY = pytest.StashKey[tuple[subprocess.Popen[bytes], Any]]()
@@ -153,7 +153,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 @pytest.fixture
 def early_run(request: pytest.FixtureRequest) -> subprocess.CompletedProcess[str]:
-    """The finished run of this test's ``early`` command: exit code and output (stderr in stdout)."""
+    """The finished run of this test's ``early`` command: exit code, output (stderr included)."""
     item = request.node
     argv = item.get_closest_marker("early").args
     if _EARLY not in item.stash:  # not started at collection (e.g. a rerun): run it here
