@@ -10,10 +10,13 @@ such a test is a failure, so a green run cannot mean the component was never exe
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -111,60 +114,103 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "component(name): needs an optional component (see tests/conftest.py)"
     )
     config.addinivalue_line(
-        "markers", "early(*argv): argv starts when collection ends; the test runs last (early_run)"
+        "markers",
+        "early(*argv, env={}): argv runs beside the suite from collection on; the test runs "
+        "last and reads it through early_run ({tmp} in argv: a fresh directory)",
     )
     config.stash[_LEDGER] = ComponentLedger(required_components())
-    config.stash[_EARLY_PROCS] = []
 
 
 # -------------------------------------------------------------- commands run beside the suite
 
 ROOT = Path(__file__).resolve().parent.parent
-_EARLY = pytest.StashKey[tuple[subprocess.Popen[bytes], Any]]()
-_EARLY_PROCS = pytest.StashKey[list[subprocess.Popen[bytes]]]()
+
+
+@dataclass
+class EarlyRun:
+    """The finished command of an ``early`` test."""
+
+    returncode: int
+    output: str  # stdout and stderr, interleaved
+    tmp: Path  # the directory that ``{tmp}`` in the command stood for
+
+
+class EarlyLane:
+    """The commands of ``early`` tests, run one after another on a background thread.
+
+    The suite runs one thread (pytest_configure above), so on CI's 2 cores a single-threaded
+    command (mypy, an `essa train` with OMP_NUM_THREADS=1) runs on the otherwise idle core
+    while the other tests run; one at a time, so the lane never takes more than that core.
+    """
+
+    def __init__(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="essa-early-"))
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="early")
+        self._current: subprocess.Popen[bytes] | None = None
+        self._stopped = False
+
+    def submit(self, mark: pytest.Mark) -> Future[EarlyRun]:
+        return self._executor.submit(self.run, mark)
+
+    def run(self, mark: pytest.Mark) -> EarlyRun:
+        if self._stopped:
+            raise RuntimeError("the early lane was stopped")
+        tmp = Path(tempfile.mkdtemp(dir=self.tmp))
+        argv = [str(arg).replace("{tmp}", str(tmp)) for arg in mark.args]
+        env = os.environ | mark.kwargs.get("env", {})
+        with tempfile.TemporaryFile() as out:
+            self._current = subprocess.Popen(
+                argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env
+            )
+            code = self._current.wait()
+            out.seek(0)
+            return EarlyRun(code, out.read().decode(errors="replace"), tmp)
+
+    def stop(self) -> None:
+        """Cancel what has not started, kill what runs (its test never came: -x, Ctrl-C)."""
+        self._stopped = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        proc = self._current
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+_LANE = pytest.StashKey[EarlyLane]()
+_EARLY = pytest.StashKey[Future[EarlyRun]]()
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection: start only what will run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Start each selected ``early`` test's command now and move that test to the end.
+    """Queue each selected ``early`` test's command on the lane now; run those tests last.
 
-    The suite runs one thread (pytest_configure above), so on CI's 2 cores a single-threaded
-    command such as mypy runs on the otherwise idle core while the other tests run; the test
-    then waits for it and checks its result, so the check itself is unchanged.
+    Each such test then waits for its command's result and checks it as before: only when
+    the command runs changes, not what is checked.
     """
     early = [item for item in items if item.get_closest_marker("early")]
     if not early or config.option.collectonly:
         return
+    lane = config.stash[_LANE] = EarlyLane()
     for item in early:
-        out = tempfile.TemporaryFile()  # noqa: SIM115 (outlives this hook: early_run reads it)
-        argv = item.get_closest_marker("early").args  # type: ignore[union-attr]
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        item.stash[_EARLY] = (proc, out)
-        config.stash[_EARLY_PROCS].append(proc)
+        item.stash[_EARLY] = lane.submit(item.get_closest_marker("early"))  # type: ignore[arg-type]
     items[:] = [item for item in items if item not in early] + early
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    for proc in session.config.stash.get(_EARLY_PROCS, []):
-        if proc.poll() is None:  # its test never ran (-x, Ctrl-C): leave nothing behind
-            proc.kill()
-            proc.wait()
+    lane = session.config.stash.get(_LANE, None)
+    if lane is not None:
+        lane.stop()
 
 
 @pytest.fixture
-def early_run(request: pytest.FixtureRequest) -> subprocess.CompletedProcess[str]:
-    """The finished run of this test's ``early`` command: exit code, output (stderr included)."""
+def early_run(request: pytest.FixtureRequest) -> EarlyRun:
+    """This test's ``early`` command, finished (queued at collection, see EarlyLane)."""
     item = request.node
-    argv = item.get_closest_marker("early").args
-    if _EARLY not in item.stash:  # not started at collection (e.g. a rerun): run it here
-        res = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-        return subprocess.CompletedProcess(argv, res.returncode, res.stdout + res.stderr, "")
-    proc, out = item.stash[_EARLY]
-    proc.wait()
-    out.seek(0)
-    text = out.read().decode(errors="replace")
-    out.close()
-    return subprocess.CompletedProcess(argv, proc.returncode, text, "")
+    if _EARLY in item.stash:
+        return item.stash[_EARLY].result()
+    lane = item.config.stash.get(_LANE, None) or EarlyLane()  # not queued: run it here
+    return lane.run(item.get_closest_marker("early"))
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
