@@ -10,8 +10,13 @@ such a test is a failure, so a green run cannot mean the component was never exe
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -109,7 +114,112 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "component(name): needs an optional component (see tests/conftest.py)"
     )
+    config.addinivalue_line(
+        "markers",
+        "early(*argv, env={}, timeout=None): argv runs beside the suite from collection on; the "
+        "test runs last and reads it through early_run ({tmp} in argv: a fresh directory)",
+    )
     config.stash[_LEDGER] = ComponentLedger(required_components())
+
+
+# -------------------------------------------------------------- commands run beside the suite
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class EarlyRun:
+    """The finished command of an ``early`` test."""
+
+    returncode: int
+    output: str  # stdout and stderr, interleaved
+    tmp: Path  # the directory that ``{tmp}`` in the command stood for
+
+
+class EarlyLane:
+    """The commands of ``early`` tests, run one after another on a background thread.
+
+    The suite runs one thread (pytest_configure above), so on CI's 2 cores a single-threaded
+    command (mypy, an `essa train` with OMP_NUM_THREADS=1) runs on the otherwise idle core
+    while the other tests run; one at a time, so the lane never takes more than that core.
+    """
+
+    def __init__(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="essa-early-"))
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="early")
+        self._current: subprocess.Popen[bytes] | None = None
+        self._stopped = False
+
+    def submit(self, mark: pytest.Mark) -> Future[EarlyRun]:
+        return self._executor.submit(self.run, mark)
+
+    def run(self, mark: pytest.Mark) -> EarlyRun:
+        if self._stopped:
+            raise RuntimeError("the early lane was stopped")
+        tmp = Path(tempfile.mkdtemp(dir=self.tmp))
+        argv = [str(arg).replace("{tmp}", str(tmp)) for arg in mark.args]
+        env = os.environ | mark.kwargs.get("env", {})
+        with tempfile.TemporaryFile() as out:
+            try:
+                self._current = subprocess.Popen(
+                    argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env
+                )
+            except OSError as err:  # no such program: the test says so (or skips first)
+                return EarlyRun(127, f"cannot run {argv[0]}: {err}", tmp)
+            try:
+                code = self._current.wait(timeout=mark.kwargs.get("timeout"))
+            except subprocess.TimeoutExpired as err:  # hung: kill it, its test fails and says so
+                self._current.kill()
+                code = self._current.wait()
+                out.write(f"\n[killed after {err.timeout} s]".encode())
+            out.seek(0)
+            return EarlyRun(code, out.read().decode(errors="replace"), tmp)
+
+    def stop(self) -> None:
+        """Cancel what has not started, kill what runs (its test never came: -x, Ctrl-C)."""
+        self._stopped = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        proc = self._current
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+_LANE = pytest.StashKey[EarlyLane]()
+_EARLY = pytest.StashKey[Future[EarlyRun]]()
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection: start only what will run
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Queue each selected ``early`` test's command on the lane now; run those tests last.
+
+    Each such test then waits for its command's result and checks it as before: only when
+    the command runs changes, not what is checked.
+    """
+    early = [item for item in items if item.get_closest_marker("early")]
+    if not early or config.option.collectonly:
+        return
+    lane = config.stash[_LANE] = EarlyLane()
+    for item in early:
+        item.stash[_EARLY] = lane.submit(item.get_closest_marker("early"))  # type: ignore[arg-type]
+    items[:] = [item for item in items if item not in early] + early
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    lane = session.config.stash.get(_LANE, None)
+    if lane is not None:
+        lane.stop()
+
+
+@pytest.fixture
+def early_run(request: pytest.FixtureRequest) -> EarlyRun:
+    """This test's ``early`` command, finished (queued at collection, see EarlyLane)."""
+    item = request.node
+    if _EARLY in item.stash:
+        return item.stash[_EARLY].result()
+    lane = item.config.stash.get(_LANE, None) or EarlyLane()  # not queued: run it here
+    return lane.run(item.get_closest_marker("early"))
 
 
 def _skip_reason(report: pytest.TestReport) -> str:

@@ -191,29 +191,39 @@ def test_group_size_must_hold_whole_branch_families() -> None:
 CURE = [*SMALL, "grpo.cure.use_branching=true", "grpo.cure.branches=1"]  # G = 4: 2 + 2
 
 
-@pytest.mark.slow
-def test_cure_train_on_the_demo_logs_branches_then_switches_stage(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    overrides = ["run.generations=3", "grpo.cure.stage1_steps=2"]
-    res = essa("train", "--run-dir", str(run_dir), *sets(*CURE, *overrides))
+# Stage 1 (branching) for 3 steps of 4; a constant LR, so the resume below is step for step.
+STAGED = [*CURE, "grpo.lr_schedule=constant", "grpo.cure.stage1_steps=3", "run.generations=4"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-step CURE run: checked for what it logged, and the run the killed one must resume
+    onto (run once; the tests only read it)."""
+    run_dir = tmp_path_factory.mktemp("cure") / "ref"
+    res = essa("train", "--run-dir", str(run_dir), *sets(*STAGED))
     assert res.returncode == 0, res.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_cure_train_on_the_demo_logs_branches_then_switches_stage(uninterrupted: Path) -> None:
+    run_dir = uninterrupted
     steps = [r for r in records(run_dir) if r["generation"] >= 0]
-    assert [r["cure_branches"] for r in steps] == [8, 8, 0]  # 4 prompts x 2 originals x 1
-    for r in steps[:2]:
+    assert [r["cure_branches"] for r in steps] == [8, 8, 8, 0]  # 4 prompts x 2 originals x 1
+    for r in steps[:3]:
         assert r["cure_critical_entropy"] > 0 and r["cure_fallbacks"] >= 0
         assert 0.0 <= r["mean_reward"] <= 1.0 and math.isfinite(r["loss"])
-    assert "cure_critical_entropy" not in steps[2]  # stage 2: plain sampling
+    assert "cure_critical_entropy" not in steps[3]  # stage 2: plain sampling
     assert lora_changed(run_dir), "GRPO with CURE changed nothing"
 
 
 @pytest.mark.slow
-def test_cure_resume_after_a_kill_matches_uninterrupted(tmp_path: Path) -> None:
+def test_cure_resume_after_a_kill_matches_uninterrupted(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
     """SIGKILL while checkpointing step 3 of 4 (stage 1 ends after step 3): the resumed run
     repeats step 3's critical tokens and branches, switches stage on time, and is bit-exact."""
-    small = [*CURE, "grpo.lr_schedule=constant", "grpo.cure.stage1_steps=3", "run.generations=4"]
-    ref = tmp_path / "ref"
-    res = essa("train", "--run-dir", str(ref), *sets(*small))
-    assert res.returncode == 0, res.stderr[-3000:]
+    small, ref = STAGED, uninterrupted
     run_dir = tmp_path / "run"
     res = essa("train", "--run-dir", str(run_dir), *sets(*small), env={"ESSA_FAULT": "kill@3"})
     assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]

@@ -184,11 +184,19 @@ def test_loss_and_gradients_equal_trl_dpo_trainer(
 # ------------------------------------------------------------------------ end to end
 
 
-@pytest.mark.slow
-def test_dpo_online_pairs_train_and_export(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def online(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 3-step run on online pairs with LoRA: checked for what it wrote and the
+    run the killed one must resume onto (run once; the tests only read it)."""
+    run_dir = tmp_path_factory.mktemp("dpo-online") / "run"
     res = essa("train", "--run-dir", str(run_dir), *sets(*SMALL, "run.generations=3"))
     assert res.returncode == 0, res.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_dpo_online_pairs_train_and_export(online: Path) -> None:
+    run_dir = online
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["algorithm"] == "dpo" and summary["generations"] == 3
     assert 0.0 <= summary["final_accuracy"] <= 1.0
@@ -285,13 +293,10 @@ def test_missing_pairs_file_is_one_error_line_through_the_cli(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_dpo_online_lora_resume_after_kill_is_exact(tmp_path: Path) -> None:
+def test_dpo_online_lora_resume_after_kill_is_exact(tmp_path: Path, online: Path) -> None:
     """Online pairs (sampling, reward, pairing) and LoRA: kill -9 inside the step-2 checkpoint
     write, resume; adapter and records equal the uninterrupted run's."""
-    small = [*SMALL, "run.generations=3"]
-    ref = tmp_path / "ref"
-    res = essa("train", "--run-dir", str(ref), *sets(*small))
-    assert res.returncode == 0, res.stderr[-3000:]
+    small, ref = [*SMALL, "run.generations=3"], online
     run_dir = tmp_path / "killed"
     res = essa("train", "--run-dir", str(run_dir), *sets(*small), env={"ESSA_FAULT": "kill@2"})
     assert res.returncode == -9, res.stderr[-3000:]

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import GRPO_SETS
+from tests.conftest import GRPO_SETS, EarlyRun
 from tests.test_train_e2e import essa, sets
 
 SMALL = [
@@ -49,11 +50,18 @@ def load_adapter(adapter_dir: str) -> torch.nn.Module:
     return PeftModel.from_pretrained(base, adapter_dir)
 
 
+def train_in_lane(*args: str) -> pytest.MarkDecorator:
+    """`essa train ARGS --run-dir {tmp}/run` (OMP_NUM_THREADS=1, as essa() runs it) in the
+    early lane beside the suite (tests/conftest.py); the test reads it through early_run."""
+    argv = (sys.executable, "-m", "essa.cli", "train", *args, "--run-dir", "{tmp}/run")
+    return pytest.mark.early(*argv, env={"OMP_NUM_THREADS": "1"}, timeout=600)
+
+
 @pytest.mark.slow
-def test_grpo_train_writes_run_dir_and_loadable_adapter(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    res = essa("train", "--run-dir", str(run_dir), *sets(*SMALL, "run.generations=3"))
-    assert res.returncode == 0, res.stderr[-3000:]
+@train_in_lane(*sets(*SMALL, "run.generations=3"))
+def test_grpo_train_writes_run_dir_and_loadable_adapter(early_run: EarlyRun) -> None:
+    run_dir = early_run.tmp / "run"
+    assert early_run.returncode == 0, early_run.output[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in SUMMARY_KEYS:
         assert key in summary
@@ -76,24 +84,35 @@ def test_grpo_train_writes_run_dir_and_loadable_adapter(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_svd_grpo_dapo_exports_a_changed_adapter(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    overrides = ["run.generations=2", "grpo.trainable=singular_values", "grpo.loss=dapo"]
-    res = essa("train", "--run-dir", str(run_dir), *sets(*SMALL, *overrides))
-    assert res.returncode == 0, res.stderr[-3000:]
+@train_in_lane(
+    *sets(*SMALL, "run.generations=2", "grpo.trainable=singular_values", "grpo.loss=dapo")
+)
+def test_svd_grpo_dapo_exports_a_changed_adapter(early_run: EarlyRun) -> None:
+    run_dir = early_run.tmp / "run"
+    assert early_run.returncode == 0, early_run.output[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["dim"] == 256  # the singular values ESSA searches on the demo
     load_adapter(summary["adapter_dir"])
     assert lora_changed(run_dir)
 
 
-@pytest.mark.slow
-def test_grpo_resume_matches_uninterrupted(tmp_path: Path) -> None:
-    # A constant LR: a schedule over run.generations would differ between a 2- and a 4-step run.
-    small = [*SMALL, "grpo.lr_schedule=constant"]
-    ref = tmp_path / "ref"
-    res = essa("train", "--run-dir", str(ref), *sets(*small, "run.generations=4"))
+# A constant LR: a schedule over run.generations would differ between a 2- and a 4-step run.
+CONSTANT = [*SMALL, "grpo.lr_schedule=constant"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted 4-step run that both resume tests below must end bit-exactly on (run
+    once; the tests only read it)."""
+    ref = tmp_path_factory.mktemp("grpo-ref") / "ref"
+    res = essa("train", "--run-dir", str(ref), *sets(*CONSTANT, "run.generations=4"))
     assert res.returncode == 0, res.stderr[-3000:]
+    return ref
+
+
+@pytest.mark.slow
+def test_grpo_resume_matches_uninterrupted(tmp_path: Path, reference: Path) -> None:
+    small, ref = CONSTANT, reference
     run_dir = tmp_path / "split"
     res = essa("train", "--run-dir", str(run_dir), *sets(*small, "run.generations=2"))
     assert res.returncode == 0, res.stderr[-3000:]
@@ -109,12 +128,9 @@ def test_grpo_resume_matches_uninterrupted(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_grpo_full_disk_mid_run_stops_then_resumes_exactly(tmp_path: Path) -> None:
+def test_grpo_full_disk_mid_run_stops_then_resumes_exactly(tmp_path: Path, reference: Path) -> None:
     """ENOSPC while checkpointing step 3: one error line, step 2's checkpoint intact, resume exact."""
-    small = [*SMALL, "grpo.lr_schedule=constant", "run.generations=4"]
-    ref = tmp_path / "ref"
-    res = essa("train", "--run-dir", str(ref), *sets(*small))
-    assert res.returncode == 0, res.stderr[-3000:]
+    small, ref = [*CONSTANT, "run.generations=4"], reference
     run_dir = tmp_path / "run"
     res = essa("train", "--run-dir", str(run_dir), *sets(*small), env={"ESSA_FAULT": "enospc@3"})
     assert res.returncode == 2, res.stderr[-3000:]
@@ -202,21 +218,14 @@ def test_grpo_replay_seeded_from_a_first_phase(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_grpo_1shot_config_trains_on_one_example(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    res = essa(
-        "train",
-        str(ROOT / "configs" / "grpo_1shot.yaml"),
-        "--run-dir",
-        str(run_dir),
-        *sets(
-            "run.generations=2",
-            "data.test_size=40",
-            "grpo.prompts_per_step=2",
-            "run.show_progress=false",
-        ),
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
+@train_in_lane(
+    str(ROOT / "configs" / "grpo_1shot.yaml"),
+    *sets("run.generations=2", "data.test_size=40", "grpo.prompts_per_step=2"),
+    *sets("run.show_progress=false"),
+)
+def test_grpo_1shot_config_trains_on_one_example(early_run: EarlyRun) -> None:
+    run_dir = early_run.tmp / "run"
+    assert early_run.returncode == 0, early_run.output[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["grpo"]["train_examples"] == 1 and summary["grpo"]["entropy"]["coef"] > 0
     assert lora_changed(run_dir)

@@ -24,7 +24,7 @@ from essa.protocols import Evaluator, Optimizer
 from essa.recipes import essa_es
 from essa.rewards import Reward
 from essa.types import Example
-from tests.conftest import GRPO_SETS
+from tests.conftest import GRPO_SETS, EarlyRun
 from tests.fakes import FakeEvaluator
 
 TRAIN = [Example(prompt=f"{i}+{4 - i}=", answer="4") for i in range(5)]
@@ -398,21 +398,13 @@ def _numeric_stack() -> tuple[str, ...]:
     )
 
 
-def _demo_run(run_dir: Path) -> tuple[str, tuple[float, float, float]]:
+# `essa train --set run.generations=6` on the demo config, seed 0: the run the pin is for.
+DEMO_ARGS = ("train", "--set", "run.generations=6", "--set", "run.show_progress=false")
+
+
+def _demo_result(run_dir: Path) -> tuple[str, tuple[float, float, float]]:
     import hashlib
 
-    res = subprocess.run(
-        _cli(
-            "train",
-            "--run-dir",
-            str(run_dir),
-            *_sets(["run.generations=6", "run.show_progress=false"]),
-        ),
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
     data = (run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
     summary = json.loads((run_dir / "summary.json").read_text())
     accuracies = (
@@ -423,13 +415,29 @@ def _demo_run(run_dir: Path) -> tuple[str, tuple[float, float, float]]:
     return hashlib.sha256(data).hexdigest(), accuracies
 
 
+def _demo_run(run_dir: Path) -> tuple[str, tuple[float, float, float]]:
+    res = subprocess.run(
+        _cli(*DEMO_ARGS, "--run-dir", str(run_dir)),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return _demo_result(run_dir)
+
+
 @pytest.mark.slow
-def test_demo_adapter_bytes_unchanged_for_seed_0(tmp_path: Path) -> None:
+@pytest.mark.early(  # the first run, beside the suite (tests/conftest.py)
+    sys.executable, "-m", "essa.cli", *DEMO_ARGS, "--run-dir", "{tmp}/demo",
+    env={"OMP_NUM_THREADS": "1"},
+)  # fmt: skip
+def test_demo_adapter_bytes_unchanged_for_seed_0(tmp_path: Path, early_run: EarlyRun) -> None:
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("the demo record is for CPU kernels")
-    digest, accuracies = _demo_run(tmp_path / "demo")
+    assert early_run.returncode == 0, early_run.output[-3000:]
+    digest, accuracies = _demo_result(early_run.tmp / "demo")
     record = DEMO_RECORDS.get(_numeric_stack())
     if record is not None:
         assert (digest, accuracies) == record

@@ -8,6 +8,7 @@ self-confidence and the reference log-likelihood, including 1-rank vs 2-rank par
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +98,24 @@ def _run(tiny_model_dir: Path, run_dir: Path, ranks: int, *sets: str) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def one_process(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[tuple[str, ...]], Path]:
+    """The one-process 2-generation run of some overrides, run once per overrides: the
+    end-to-end test and the two-rank test of the same reward read the same run."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def run(sets: tuple[str, ...]) -> Path:
+        if sets not in runs:
+            run_dir = tmp_path_factory.mktemp("one-process") / "run"
+            _run(tiny_model_dir, run_dir, 0, "run.generations=2", *sets)
+            runs[sets] = run_dir
+        return runs[sets]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "sets",
@@ -114,10 +133,11 @@ def _run(tiny_model_dir: Path, run_dir: Path, ranks: int, *sets: str) -> dict:
     ids=["pool-population", "k-samples", "self-confidence", "reference-logprob", "tie-breaker"],
 )
 def test_label_free_and_logprob_rewards_train_end_to_end(
-    tiny_model_dir: Path, tmp_path: Path, sets: tuple[str, ...]
+    one_process: Callable[[tuple[str, ...]], Path], sets: tuple[str, ...]
 ) -> None:
-    summary = _run(tiny_model_dir, tmp_path / "run", 0, "run.generations=2", *sets)
-    records = [r for r in generations(tmp_path / "run") if r["generation"] >= 0]
+    run_dir = one_process(sets)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [r for r in generations(run_dir) if r["generation"] >= 0]
     assert len(records) == 2
     assert all(r["n_failed"] == 0 and r["mean_fitness"] is not None for r in records)
     # Held-out is scored with the true answers whatever the training reward.
@@ -190,11 +210,13 @@ def test_vote_group_no_vote_reaches_is_one_clear_line(tiny_model_dir: Path, tmp_
     ids=["greedy-pool", "sampled-pool", "tie-breaker"],
 )
 def test_population_pool_two_ranks_match_one_rank(
-    tiny_model_dir: Path, tmp_path: Path, sets: tuple[str, ...]
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    one_process: Callable[[tuple[str, ...]], Path],
+    sets: tuple[str, ...],
 ) -> None:
-    one = tmp_path / "one"
+    one = one_process(sets)  # greedy-pool: the end-to-end test's pool-population run
     two = tmp_path / "two"
-    _run(tiny_model_dir, one, 0, "run.generations=2", *sets)
     _run(tiny_model_dir, two, 2, "run.generations=2", *sets)
     assert trajectory(two) == trajectory(one)  # fitness, majority share, held-out, ...
     assert_same_adapter(two, one)

@@ -127,13 +127,21 @@ def prime_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in tensors.items() if k.startswith("prime.")}
 
 
-@pytest.mark.slow
-def test_grpo_train_with_prime_on_demo(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    res = essa("train", "--run-dir", str(run_dir), *sets(*SMALL, *PRIME, "run.generations=3"))
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-step GRPO run with PRIME on: checked for what it logged and kept, and the run the
+    killed one must resume onto (run once; the tests only read it)."""
+    run_dir = tmp_path_factory.mktemp("prime") / "ref"
+    res = essa("train", "--run-dir", str(run_dir), *sets(*SMALL, *PRIME, "run.generations=4"))
     assert res.returncode == 0, res.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_grpo_train_with_prime_on_demo(uninterrupted: Path) -> None:
+    run_dir = uninterrupted
     steps = [r for r in records(run_dir) if r["generation"] >= 0]
-    assert len(steps) == 3
+    assert len(steps) == 4
     # step 0: phi is the SFT adapter, the reference: every process reward is 0, L_CE = log 2
     assert steps[0]["process_reward"] == 0.0
     assert steps[0]["prm_loss"] == pytest.approx(math.log(2), rel=1e-5)
@@ -147,11 +155,8 @@ def test_grpo_train_with_prime_on_demo(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_prime_resume_after_kill_matches_uninterrupted(tmp_path: Path) -> None:
-    small = [*SMALL, *PRIME, "run.generations=4"]
-    ref = tmp_path / "ref"
-    res = essa("train", "--run-dir", str(ref), *sets(*small))
-    assert res.returncode == 0, res.stderr[-3000:]
+def test_prime_resume_after_kill_matches_uninterrupted(tmp_path: Path, uninterrupted: Path) -> None:
+    small, ref = [*SMALL, *PRIME, "run.generations=4"], uninterrupted
     run_dir = tmp_path / "killed"
     res = essa("train", "--run-dir", str(run_dir), *sets(*small), env={"ESSA_FAULT": "kill@3"})
     assert res.returncode == -9, res.stderr[-3000:]  # killed inside step 3's checkpoint write

@@ -98,11 +98,20 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
-def test_clean_source_gains_weight_over_noise(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    res = essa("train", "--run-dir", str(run_dir), *sets(*small(tmp_path, 8)))
+@pytest.fixture(scope="module")
+def eight_steps(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """(run dir, overrides) of an uninterrupted 8-step run: checked for the weights it learned,
+    and the run the killed one must resume onto (run once; the tests only read it)."""
+    tmp = tmp_path_factory.mktemp("scalebio")
+    overrides = small(tmp, 8)
+    res = essa("train", "--run-dir", str(tmp / "run"), *sets(*overrides))
     assert res.returncode == 0, res.stderr[-3000:]
+    return tmp / "run", overrides
+
+
+@pytest.mark.slow
+def test_clean_source_gains_weight_over_noise(eight_steps: tuple[Path, list[str]]) -> None:
+    run_dir, _ = eight_steps
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["algorithm"] == "scalebio" and summary["generations"] == 8
     weights = summary["source_weights"]
@@ -123,13 +132,12 @@ def test_clean_source_gains_weight_over_noise(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_scalebio_resume_after_kill_is_exact(tmp_path: Path) -> None:
+def test_scalebio_resume_after_kill_is_exact(
+    tmp_path: Path, eight_steps: tuple[Path, list[str]]
+) -> None:
     """kill -9 inside the step-3 checkpoint write (after a LISA re-sampling at step 3), resume:
     the same weights, logits and records as an uninterrupted run."""
-    overrides = small(tmp_path, 5)
-    ref = tmp_path / "ref"
-    res = essa("train", "--run-dir", str(ref), *sets(*overrides))
-    assert res.returncode == 0, res.stderr[-3000:]
+    ref, overrides = eight_steps
     run_dir = tmp_path / "killed"
     res = essa("train", "--run-dir", str(run_dir), *sets(*overrides), env={"ESSA_FAULT": "kill@3"})
     assert res.returncode == -9, res.stderr[-3000:]

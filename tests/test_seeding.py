@@ -7,6 +7,7 @@ scores the same on one rank or two, wherever it sits in its rank's shard, and af
 from __future__ import annotations
 
 import itertools
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -176,14 +177,29 @@ NOISY = [
 RANDOM = ["reward.name=random", "reward.params.p=0.5"]
 
 
+@pytest.fixture(scope="module", params=[NOISY, RANDOM], ids=["noisy", "random"])
+def reward(request: pytest.FixtureRequest) -> list[str]:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def two_generations(
+    reward: list[str], tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A finished one-process 2-generation run: the start the resume test continues from and
+    the run the two-rank test must equal (run once per reward; the tests only read it)."""
+    run_dir = tmp_path_factory.mktemp("two-generations") / "run"
+    train(0, "--run-dir", str(run_dir), sets=small(tiny_model_dir, "run.generations=2", *reward))
+    return run_dir
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("reward", [NOISY, RANDOM], ids=["noisy", "random"])
 def test_resumed_run_draws_what_the_uninterrupted_one_did(
-    tiny_model_dir: Path, tmp_path: Path, reward: list[str]
+    tiny_model_dir: Path, tmp_path: Path, reward: list[str], two_generations: Path
 ) -> None:
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     train(0, "--run-dir", str(whole), sets=small(tiny_model_dir, "run.generations=3", *reward))
-    train(0, "--run-dir", str(resumed), sets=small(tiny_model_dir, "run.generations=2", *reward))
+    shutil.copytree(two_generations, resumed)  # resumed in place: a copy leaves the shared one
     train(0, "--resume", str(resumed), sets=["run.generations=3"])
     assert trajectory(resumed) == trajectory(whole)
     assert_same_adapter(resumed, whole)
@@ -191,12 +207,10 @@ def test_resumed_run_draws_what_the_uninterrupted_one_did(
 
 @pytest.mark.mpi
 @needs_mpi
-@pytest.mark.parametrize("reward", [NOISY, RANDOM], ids=["noisy", "random"])
 def test_random_rewards_two_ranks_match_one_rank(
-    tiny_model_dir: Path, tmp_path: Path, reward: list[str]
+    tiny_model_dir: Path, tmp_path: Path, reward: list[str], two_generations: Path
 ) -> None:
-    one, two = tmp_path / "one", tmp_path / "two"
-    train(0, "--run-dir", str(one), sets=small(tiny_model_dir, "run.generations=2", *reward))
+    one, two = two_generations, tmp_path / "two"
     train(2, "--run-dir", str(two), sets=small(tiny_model_dir, "run.generations=2", *reward))
     assert trajectory(two) == trajectory(one)  # fitness, sigma, held-out, ...
     assert_same_adapter(two, one)

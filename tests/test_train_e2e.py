@@ -55,11 +55,31 @@ def assert_accuracy_over(n: int, accuracy: float) -> None:
     assert 0.0 <= accuracy <= 1.0 and abs(n * accuracy - round(n * accuracy)) < 1e-9, (n, accuracy)
 
 
+@pytest.fixture(scope="module")
+def three_generations(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(run dir, stdout file) of one 3-generation run with stdout to a file (Slurm, nohup, CI),
+    shared by the tests that only read it. ESSA_PROGRESS_SECONDS=0 makes every event of a
+    phase due, so the progress test waits on nothing; progress never touches the numbers."""
+    tmp = tmp_path_factory.mktemp("three-generations")
+    run_dir, stdout = tmp / "run", tmp / "stdout.txt"
+    shown = [s for s in SMALL if not s.startswith("run.show_progress")]
+    overrides = sets(*shown, "run.generations=3", "evaluation.use_scale_baseline=true")
+    with stdout.open("w") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "essa.cli", "train", "--run-dir", str(run_dir), *overrides],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "ESSA_PROGRESS_SECONDS": "0"},
+        )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, stdout
+
+
 @pytest.mark.slow
-def test_train_writes_run_dir_and_loadable_adapter(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    res = essa("train", "--run-dir", str(run_dir), *sets(*SMALL, "run.generations=3"))
-    assert res.returncode == 0, res.stderr[-3000:]
+def test_train_writes_run_dir_and_loadable_adapter(three_generations: tuple[Path, Path]) -> None:
+    run_dir, _ = three_generations
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in (
         "baseline_accuracy",
@@ -333,23 +353,10 @@ def test_train_on_local_gsm8k_jsonl(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_plain_progress_lines_when_stdout_is_a_file(tmp_path: Path) -> None:
+def test_plain_progress_lines_when_stdout_is_a_file(three_generations: tuple[Path, Path]) -> None:
     """stdout to a file (Slurm, nohup, CI): every phase prints plain lines with its progress
-    while it runs, and logs them to phases.jsonl. ESSA_PROGRESS_SECONDS=0 makes every event of
-    a phase due, so the test waits on nothing."""
-    run_dir, stdout = tmp_path / "run", tmp_path / "stdout.txt"
-    shown = [s for s in SMALL if not s.startswith("run.show_progress")]
-    overrides = sets(*shown, "run.generations=3", "evaluation.use_scale_baseline=true")
-    with stdout.open("w") as out:
-        proc = subprocess.run(
-            [sys.executable, "-m", "essa.cli", "train", "--run-dir", str(run_dir), *overrides],
-            stdout=out,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=600,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "ESSA_PROGRESS_SECONDS": "0"},
-        )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    while it runs, and logs them to phases.jsonl."""
+    run_dir, stdout = three_generations
     lines = stdout.read_text().splitlines()
 
     def so_far(name: str) -> list[str]:  # the phase's progress lines, not its closing one
