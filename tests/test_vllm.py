@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from essa.config import ConfigError, load_config
-from tests.conftest import EarlyRun
 
 REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv-vllm"
@@ -56,15 +55,9 @@ def vllm_python() -> str:
     return python
 
 
-# One thread per engine keeps two concurrent test processes off each other's cores.
-ENGINE_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-# The python the early lane (tests/conftest.py) starts `essa train --set backend=vllm` with;
-# the tests still call vllm_python() first, so without a working venv they skip as before.
-EARLY_PYTHON = os.environ.get("ESSA_VLLM_PYTHON") or str(VENV / "bin" / "python")
-
-
 def _env() -> dict[str, str]:
-    return os.environ | ENGINE_ENV
+    # One thread per engine keeps two concurrent test processes off each other's cores.
+    return os.environ | {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 # --------------------------------------------------------------------- config (no engine)
@@ -275,28 +268,22 @@ def test_hf_generated_logprobs_match_vllm(equivalence: dict) -> None:
 # --------------------------------------------------------------------- essa train end to end
 
 
-def _train_argv(*args: str, overrides: list[str]) -> tuple[str, ...]:
-    sets = [arg for override in overrides for arg in ("--set", override)]
-    return (EARLY_PYTHON, "-m", "essa.cli", "train", *args, "--run-dir", "{tmp}/run", *sets)
-
-
-E2E_OVERRIDES = [
-    "backend=vllm", "optimizer.population_size=4", "run.generations=2",
-    "data.batch_size=8", "data.test_size=16", "evaluation.every=1",
-    "evaluation.use_scale_baseline=false", "run.show_progress=false",
-]  # fmt: skip
-
-
 @pytest.mark.slow
 @needs_vllm
-# The demo config, shrunk: `essa train configs/demo.yaml --set backend=vllm`, run in the lane.
-@pytest.mark.early(
-    *_train_argv("configs/demo.yaml", overrides=E2E_OVERRIDES), env=ENGINE_ENV, timeout=900
-)
-def test_essa_train_backend_vllm_end_to_end(early_run: EarlyRun) -> None:
-    vllm_python()  # skips (a failure under ESSA_REQUIRE=vllm) without the vLLM venv
-    run_dir = early_run.tmp / "run"
-    assert early_run.returncode == 0, early_run.output[-3000:]
+def test_essa_train_backend_vllm_end_to_end(tmp_path: Path) -> None:
+    python = vllm_python()
+    run_dir = tmp_path / "run"
+    overrides = [
+        "backend=vllm", "optimizer.population_size=4", "run.generations=2",
+        "data.batch_size=8", "data.test_size=16", "evaluation.every=1",
+        "evaluation.use_scale_baseline=false", "run.show_progress=false",
+    ]  # fmt: skip
+    # The demo config, shrunk: `essa train configs/demo.yaml --set backend=vllm`.
+    command = [python, "-m", "essa.cli", "train", "configs/demo.yaml", "--run-dir", str(run_dir)]
+    for override in overrides:
+        command += ["--set", override]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900, env=_env(), cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["generations"] == 2
     # An accuracy over data.test_size=16 prompts: a multiple of 1/16 (not a mean of fitness).
@@ -311,22 +298,23 @@ def test_essa_train_backend_vllm_end_to_end(early_run: EarlyRun) -> None:
     assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
 
 
-SELF_CONFIDENCE_OVERRIDES = [
-    "backend=vllm", "reward.name=self_confidence", "optimizer.population_size=4",
-    "run.generations=1", "data.batch_size=8", "data.test_size=8", "evaluation.every=0",
-    "evaluation.use_scale_baseline=false", "run.show_progress=false",
-]  # fmt: skip
-
-
 @pytest.mark.slow
 @needs_vllm
-@pytest.mark.early(*_train_argv(overrides=SELF_CONFIDENCE_OVERRIDES), env=ENGINE_ENV, timeout=900)
-def test_self_confidence_reward_takes_vllm_logprobs(early_run: EarlyRun) -> None:
+def test_self_confidence_reward_takes_vllm_logprobs(tmp_path: Path) -> None:
     """A log-prob reward (RLSC self-confidence) runs on the vLLM backend's sampled log-probs:
     every fitness is a length-normalised probability in (0, 1]."""
-    vllm_python()  # skips (a failure under ESSA_REQUIRE=vllm) without the vLLM venv
-    run_dir = early_run.tmp / "run"
-    assert early_run.returncode == 0, early_run.output[-3000:]
+    python = vllm_python()
+    run_dir = tmp_path / "run"
+    overrides = [
+        "backend=vllm", "reward.name=self_confidence", "optimizer.population_size=4",
+        "run.generations=1", "data.batch_size=8", "data.test_size=8", "evaluation.every=0",
+        "evaluation.use_scale_baseline=false", "run.show_progress=false",
+    ]  # fmt: skip
+    command = [python, "-m", "essa.cli", "train", "--run-dir", str(run_dir)]
+    for override in overrides:
+        command += ["--set", override]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900, env=_env(), cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (record,) = [r for r in records if r.get("generation") == 0]
     assert 0.0 < record["mean_fitness"] <= record["best_fitness"] <= 1.0
