@@ -149,6 +149,13 @@ def equivalence(tmp_path_factory: pytest.TempPathFactory) -> dict:
     ]
     _, test = builtin_examples("builtin:arithmetic")
     prompts = [ex.prompt for ex in test[:24]]
+    hf = PopulationEvaluator(base, tokenizer, adapter, cfg.generation, cfg.evaluation)
+    hf.record_logprobs = True  # the decode loop's own log-probs of the tokens it generated
+    hf_completions, hf_logprobs = [], []
+    for population in populations:
+        hf_completions.append(hf.completions(population, prompts))
+        hf_logprobs.append(hf.last_logprobs)
+
     request = {
         "model": str(DEMO),
         "adapter": str(adapter_dir),
@@ -159,28 +166,11 @@ def equivalence(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "out": str(tmp / "out.json"),
     }
     (tmp / "request.json").write_text(json.dumps(request))
-    # The vLLM side starts first and runs (one thread) while HF decodes here (one thread):
-    # the two sides share nothing but the files written above. Its logs go to files, so a
-    # full pipe never stalls it while this process is busy.
-    log = tmp / "worker.log"
-    with log.open("w") as out:
-        worker = subprocess.Popen(
-            [python, str(REPO / "tests" / "vllm_worker.py"), str(tmp / "request.json")],
-            stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO,
-        )  # fmt: skip
-    try:
-        hf = PopulationEvaluator(base, tokenizer, adapter, cfg.generation, cfg.evaluation)
-        hf.record_logprobs = True  # the decode loop's own log-probs of the tokens it generated
-        hf_completions, hf_logprobs = [], []
-        for population in populations:
-            hf_completions.append(hf.completions(population, prompts))
-            hf_logprobs.append(hf.last_logprobs)
-        worker.wait(timeout=900)
-    finally:
-        if worker.poll() is None:  # HF failed or the worker hung: leave no engine behind
-            worker.kill()
-            worker.wait()
-    assert worker.returncode == 0, log.read_text()[-3000:]
+    run = subprocess.run(
+        [python, str(REPO / "tests" / "vllm_worker.py"), str(tmp / "request.json")],
+        capture_output=True, text=True, timeout=900, env=_env(), cwd=REPO,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp / "out.json").read_text())
     return {
         "hf": hf_completions,
