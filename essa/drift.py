@@ -207,6 +207,13 @@ class PeftModels:
     def names(self) -> tuple[str, ...]:
         return tuple(n for n in NAMES if self._context(n) is not None)
 
+    @property
+    def inner(self) -> Any:
+        """The HF model with the LoRA layers injected: it generates as the PEFT model does, and
+        the decode loop (row dropping, per-row sampling streams) applies to it."""
+        get = getattr(self.model, "get_base_model", None)
+        return self.model if get is None else get()
+
     def _context(self, name: str) -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
         if name == "base":
             return self.model.disable_adapter if self.has_base else None
@@ -218,7 +225,7 @@ class PeftModels:
         out = {}
         for name in self.names:
             with self._context(name)():  # type: ignore[misc]
-                out[name] = _tail(self.model, chunk, self.tokenizer.pad_token_id)
+                out[name] = _tail(self.inner, chunk, self.tokenizer.pad_token_id)
         return out
 
     def generate(
@@ -234,7 +241,7 @@ class PeftModels:
         for name in (n for n in self.names if n in names):
             with self._context(name)():  # type: ignore[misc]
                 out[name], _ = generate_texts(
-                    self.model,
+                    self.inner,
                     self.tokenizer,
                     prompts,
                     gen,
@@ -324,8 +331,27 @@ def peft_deltas(peft_model: Any) -> tuple[dict[str, torch.Tensor], dict[str, tor
         b = module.lora_B[adapter].weight.detach().float().cpu()  # (m, r)
         key = name.removeprefix("base_model.model.")
         deltas[key] = float(module.scaling[adapter]) * (b @ a)
-        bases[key] = module.base_layer.weight.detach().float().cpu()
+        weight = module.base_layer.weight.detach()
+        bases[key] = weight.float().cpu() if weight.is_floating_point() else weight
     return deltas, bases
+
+
+def peft_updates(
+    peft_model: Any, sft: Callable[[], contextlib.AbstractContextManager[Any]] | None
+) -> dict[str, Any] | None:
+    """Update sizes of a PEFT model's adapter (``final``) and, with ``sft`` (a context that
+    loads the SFT values), of the SFT adapter and the change from it (``search``); None when
+    the base weights are quantised."""
+    final, w0 = peft_deltas(peft_model)
+    if any(not w.is_floating_point() for w in w0.values()):
+        return None
+    report = {"final": update_size(final, w0)}
+    if sft is not None:
+        with sft():
+            start, _ = peft_deltas(peft_model)
+        report["sft"] = update_size(start, w0)
+        report["search"] = update_size({n: final[n] - start[n] for n in final}, w0)
+    return report
 
 
 def retention(
