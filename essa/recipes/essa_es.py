@@ -405,21 +405,21 @@ def _finish(
 def _drift(
     cfg: Config,
     h: Harness,
-    base: Any,
+    model: Any,
     tokenizer: Any,
     adapter: SVDAdapter,
     test: list[Example],
     vector: AdapterVector,
 ) -> dict[str, Any]:
-    """The drift report of ``vector`` (rank 0, after the search): the base model is the bare
-    ``base`` (None under vLLM: update sizes need W0 too, so nothing is measured)."""
+    """The drift report of ``vector`` (rank 0, after the search): ``model`` is the bare base
+    model (None under vLLM: update sizes need W0 too, so nothing is measured)."""
     from essa import drift
 
-    if base is None:
+    if model is None:
         return {}
     zeros = np.zeros(adapter.dim)
     updates = None
-    w0 = drift.base_weights(base, adapter.module_names)
+    w0 = drift.base_weights(model, adapter.module_names)
     if w0 is not None:
         sft, final = adapter.delta_weights(zeros), adapter.delta_weights(vector)
         search = {name: final[name] - sft[name] for name in final}
@@ -429,7 +429,7 @@ def _drift(
             "search": drift.update_size(search, w0),  # the final adapter's change from SFT
         }
     mb = cfg.evaluation.micro_batch_size
-    models = drift.PopulationModels(base, tokenizer, adapter, np.asarray(vector), mb)
+    models = drift.PopulationModels(model, tokenizer, adapter, np.asarray(vector), mb)
     with h.phase("drift"):
         report = drift.measure(cfg, models, tokenizer, test, h.metric, updates)
     line = drift.summary_line(report)
