@@ -26,7 +26,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ import torch
 from essa import seeding
 from essa.config import Config, DriftConfig, GenerationConfig
 from essa.types import AdapterVector, Example
+
+if TYPE_CHECKING:
+    from essa.adapters.svd import SVDAdapter
 
 Pair = tuple[list[int], list[int]]  # (prompt ids, continuation ids)
 
@@ -125,7 +128,7 @@ class PopulationModels:
 
     model: Any  # the bare base model
     tokenizer: Any
-    adapter: Any  # SVDAdapter
+    adapter: SVDAdapter
     vector: AdapterVector
     micro_batch_size: int
     names: tuple[str, ...] = NAMES
@@ -156,7 +159,14 @@ class PopulationModels:
 
         out: dict[str, list[str]] = {}
         if "base" in names:
-            out["base"] = self._generate(self.model, prompts, gen, row_seeds)
+            out["base"], _ = generate_texts(
+                self.model,
+                self.tokenizer,
+                prompts,
+                gen,
+                micro_batch_size=self.micro_batch_size,
+                row_seeds=row_seeds,
+            )
         rows = [i for i, name in enumerate(("sft", "tuned")) if name in names]
         if rows:
             n = len(prompts)
@@ -165,7 +175,7 @@ class PopulationModels:
                 texts, _ = generate_texts(
                     self.model,
                     self.tokenizer,
-                    list(prompts) * len(rows),
+                    list(prompts) * len(rows),  # candidate-major
                     gen,
                     micro_batch_size=self.micro_batch_size,
                     row_candidates=candidate_rows(len(rows), n),
@@ -175,21 +185,6 @@ class PopulationModels:
             for c, i in enumerate(rows):
                 out[("sft", "tuned")[i]] = texts[c * n : (c + 1) * n]
         return out
-
-    def _generate(
-        self, model: Any, prompts: Sequence[str], gen: GenerationConfig, seeds: Any
-    ) -> list[str]:
-        from essa.backends.hf import generate_texts
-
-        texts, _ = generate_texts(
-            model,
-            self.tokenizer,
-            prompts,
-            gen,
-            micro_batch_size=self.micro_batch_size,
-            row_seeds=seeds,
-        )
-        return texts
 
 
 @dataclass
@@ -411,7 +406,7 @@ def grade_samples(
     keys = [[extract_answer(t) for t in texts[i * k : (i + 1) * k]] for i in range(n)]
     metrics: dict[str, Any] = {"k": k, "items": n}
     metrics.update(sample_metrics(correct, ks=sorted({1, k}), keys=keys))
-    metrics["mean@" + str(k)] = metrics.pop(f"avg@{k}")
+    metrics[f"mean@{k}"] = metrics.pop(f"avg@{k}")
     metrics["answer_entropy"] = float(np.mean([answer_entropy(row) for row in keys]))
     return metrics
 
