@@ -288,11 +288,16 @@ def evaluate(
         Path | None,
         typer.Option(help="Write the JSON result here, and per-item records to FILE.items.jsonl"),
     ] = None,
+    sft_adapter: Annotated[
+        Path | None,
+        typer.Option(help="The SFT adapter --adapter started from: KL(SFT || tuned) in drift"),
+    ] = None,
 ) -> None:
     """Score a model or adapter on the held-out split.
 
-    The score is evaluation.metric. Prints pass@1 (full credit) and mean_score (partial credit included, as training reports
-    it); with --samples K also avg@K, pass@K and maj@K.
+    The score is evaluation.metric. Prints pass@1 (full credit) and mean_score (partial credit
+    included, as training reports it); with --samples K also avg@K, pass@K and maj@K; and drift:
+    off-task KL to the base (and SFT) model, update size, retention and pass@K (docs/drift.md).
     """
     from essa.backends.hf import load_model
     from essa.evaluation import check_heldout_answers, heldout_metric
@@ -314,10 +319,11 @@ def evaluate(
     task = load_task(cfg.data, cfg.run.seed)
     metric, reward = heldout_metric(cfg)
     check_heldout_answers(metric, task.test)
-    if adapter is not None and not (adapter / "adapter_config.json").exists():
-        raise UserError(
-            f"--adapter {adapter}: not a PEFT adapter directory (no adapter_config.json)"
-        )
+    for key, path in (("--adapter", adapter), ("--sft-adapter", sft_adapter)):
+        if path is not None and not (path / "adapter_config.json").exists():
+            raise UserError(f"{key} {path}: not a PEFT adapter directory (no adapter_config.json)")
+    if sft_adapter is not None and adapter is None:
+        raise UserError("--sft-adapter: compares with --adapter, which is not given")
     model, tokenizer = load_model(cfg.model)
     from essa.recipes.common import resolve_lengths
 
@@ -327,6 +333,7 @@ def evaluate(
 
         model = load_peft_adapter(model, str(adapter), "--adapter").eval()
     metrics, items = _sample_metrics(cfg, model, tokenizer, task.test, samples, reward)
+    drift = _drift(cfg, model, tokenizer, task.test, reward, adapter, sft_adapter, samples)
     result: dict[str, Any] = {
         **metrics,
         "metric": metric,
@@ -334,6 +341,7 @@ def evaluate(
         "samples": samples,
         "adapter": str(adapter) if adapter else None,
         "model": cfg.model.name_or_path,
+        "drift": drift,
     }
     if output is not None:
         result["items"] = str(_write_items(output, items))
@@ -341,6 +349,53 @@ def evaluate(
     typer.echo(text)
     if output is not None:
         output.write_text(text + "\n")
+
+
+def _drift(
+    cfg: Config,
+    model: Any,
+    tokenizer: Any,
+    test: list[Any],
+    reward: Any,
+    adapter: Path | None,
+    sft_adapter: Path | None,
+    samples: int,
+) -> dict[str, Any]:
+    """The drift report of the evaluated model; ``--samples K`` > 1 already gave pass@K on the
+    whole split, so the report's own is skipped then. Without --adapter: no base to compare."""
+    import contextlib
+    from dataclasses import replace
+
+    from essa import drift
+
+    if samples > 1:
+        no_samples = replace(cfg.evaluation.drift, samples=0)
+        cfg = replace(cfg, evaluation=replace(cfg.evaluation, drift=no_samples))
+    sft = None
+    if sft_adapter is not None:
+        from essa.errors import UserError
+
+        try:
+            model.load_adapter(str(sft_adapter), adapter_name="sft")
+        except (OSError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserError(
+                f"--sft-adapter: cannot load the adapter in {sft_adapter}: {first}"
+            ) from None
+
+        @contextlib.contextmanager
+        def use_sft() -> Any:
+            model.set_adapter("sft")
+            try:
+                yield
+            finally:
+                model.set_adapter("default")
+
+        sft = use_sft
+    micro = cfg.evaluation.micro_batch_size
+    models = drift.PeftModels(model, tokenizer, micro, sft=sft, has_base=adapter is not None)
+    updates = drift.peft_updates(model, sft) if adapter is not None else None
+    return drift.measure(cfg, models, tokenizer, test, reward, updates)
 
 
 def items_path(output: Path) -> Path:

@@ -192,6 +192,20 @@ HELDOUT_METRICS = ("math_accuracy", "exact_match", "gym_score")
 
 
 @dataclass(frozen=True)
+class DriftConfig:
+    """What else the final solution changed, beside the held-out score (docs/drift.md)."""
+
+    prompts: int = 32  # off-task prompts for KL(base || tuned) and KL(SFT || tuned); 0: no KL
+    tokens: int = 16  # the base model's greedy continuation of each, teacher-forced
+    # Retention: greedy accuracy on a built-in task the run does not train on (builtin:NAME);
+    # auto: builtin:arithmetic_mixed, or builtin:arithmetic when that is the training task.
+    retention: str = "auto"
+    items: int = 64  # held-out items for retention and for pass@K; 0: neither
+    samples: int = 4  # K completions per held-out item for pass@K, maj@K, mean@K; < 2: none
+    temperature: float = 1.0  # pass@K's sampling temperature
+
+
+@dataclass(frozen=True)
 class EvaluationConfig:
     strategy: Literal["auto", "batched", "merged"] = "auto"
     micro_batch_size: int = 1024  # sequences per forward
@@ -209,6 +223,7 @@ class EvaluationConfig:
     # the reference answers. None: the training reward when it is one of these, else
     # math_accuracy (a shaping or label-free training reward says nothing about correctness).
     metric: str | None = None
+    drift: DriftConfig = field(default_factory=DriftConfig)  # the final pass only
 
 
 @dataclass(frozen=True)
@@ -681,6 +696,9 @@ def check_values(cfg: Config) -> None:
         "sft.lr_warmup_steps": cfg.sft.lr_warmup_steps,
         "optimizer.sep_above_dim": cfg.optimizer.sep_above_dim,
         "evaluation.every": cfg.evaluation.every,
+        "evaluation.drift.prompts": cfg.evaluation.drift.prompts,
+        "evaluation.drift.items": cfg.evaluation.drift.items,
+        "evaluation.drift.samples": cfg.evaluation.drift.samples,
         "data.test_size": cfg.data.test_size,
         "data.sft_size": cfg.data.sft_size,
     }
@@ -739,6 +757,7 @@ def check_values(cfg: Config) -> None:
             f"model.quantization={cfg.model.quantization} weights; use batched or auto"
         )
     _check_heldout_metric(cfg.evaluation.metric)
+    _check_drift(cfg.evaluation.drift)
     _check_data(cfg)
     _check_grpo(cfg.grpo, cfg.generation.max_new_tokens)
     _check_prm_credit(cfg)
@@ -796,6 +815,20 @@ def _check_data(cfg: Config) -> None:
         raise ConfigError(
             "reward.params.params: gym_score regenerates the task, so it needs the same "
             f"parameters as data.params; got {gym_params} vs {d.params}"
+        )
+
+
+def _check_drift(d: DriftConfig) -> None:
+    from essa.data.loaders import BUILTIN_SOURCES
+
+    if d.tokens < 1:
+        raise ConfigError(f"evaluation.drift.tokens: must be >= 1, got {d.tokens}")
+    if not d.temperature > 0:
+        raise ConfigError(f"evaluation.drift.temperature: must be > 0, got {d.temperature}")
+    if d.retention not in ("auto", "none", *BUILTIN_SOURCES):
+        raise ConfigError(
+            f"evaluation.drift.retention: {d.retention!r} is not auto, none or one of "
+            f"{', '.join(BUILTIN_SOURCES)}"
         )
 
 

@@ -46,6 +46,7 @@ DOMAINS: dict[str, int] = {
     "cure.branches": 104,  # the branches' decoding seed (seed: the round's decoding seed)
     "reward.random": 105,  # the random reward's Bernoulli draws (keys: an item's draw key)
     "reward.noisy": 106,  # the noisy reward's flips (keys: a group's draw key)
+    "drift.samples": 107,  # the final report's pass@K samples (keys: none)
 }
 
 

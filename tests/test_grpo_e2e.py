@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import GRPO_SETS, EarlyRun
-from tests.test_train_e2e import essa, sets
+from tests.test_train_e2e import assert_drift_report, essa, sets
 
 SMALL = [
     *GRPO_SETS,
@@ -81,6 +81,8 @@ def test_grpo_train_writes_run_dir_and_loadable_adapter(early_run: EarlyRun) -> 
     model = load_adapter(summary["adapter_dir"])
     assert sum("lora_A" in n for n, _ in model.named_parameters()) > 0
     assert lora_changed(run_dir), "GRPO changed nothing"
+    assert_drift_report(summary["drift"], k=4, items=40)
+    assert summary["drift"]["kl_sft"] > 0  # GRPO moved the adapter off its SFT values
 
 
 @pytest.mark.slow

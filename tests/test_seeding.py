@@ -39,6 +39,7 @@ ARITY = {
     "cure.branches": 0,
     "reward.random": 6,  # an ESSA item's draw key: (seed, site, generation, prompt, cand., sample)
     "reward.noisy": 5,  # an ESSA group's key: the item's without the sample
+    "drift.samples": 0,
 }
 
 

@@ -113,6 +113,48 @@ def test_train_writes_run_dir_and_loadable_adapter(three_generations: tuple[Path
     assert set(sft) == set(final)
     sft_delta = {k: v for k, v in sft.items()}
     assert any(not torch.allclose(final[k], sft_delta[k]) for k in final), "ESSA changed nothing"
+    assert_drift_report(summary["drift"], k=4, items=40)
+    assert "drift: off-task KL(base||tuned)" in res.stdout
+
+    # `essa eval` of the run's adapters prints the same figures (PEFT path vs population rows).
+    res = essa(
+        "eval",
+        str(run_dir / "config.yaml"),
+        "--adapter",
+        str(run_dir / "adapter"),
+        "--sft-adapter",
+        str(run_dir / "sft_adapter"),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    printed = json.loads(res.stdout)["drift"]
+    assert_drift_report(printed, k=4, items=40)
+    for key in ("kl_base", "kl_sft", "kl_base_sft"):
+        assert printed[key] == pytest.approx(summary["drift"][key], rel=1e-4, abs=1e-7), key
+    assert printed["retention"] == summary["drift"]["retention"]
+    assert printed["samples"] == summary["drift"]["samples"]  # the same per-row streams
+
+
+def assert_drift_report(report: dict, k: int, items: int) -> None:
+    """The figures of docs/drift.md, all present and in range, and flattened for the trackers."""
+    from essa.tracking import scalars
+
+    assert report["kl_base"] > 0 and report["kl_sft"] >= 0 and report["kl_base_sft"] > 0
+    assert report["kl_prompts"] == 32 and report["kl_positions"] >= 32
+    for adapter in ("sft", "final", "search"):
+        size = report["update"][adapter]
+        assert 0 < size["mean"] <= size["max"] and size["matrices"] > 0
+    kept = report["retention"]
+    assert kept["source"] == "builtin:arithmetic_mixed" and kept["items"] == 64
+    for model in ("base", "sft", "tuned"):
+        assert_accuracy_over(64, kept[model])
+    assert kept["change_from_sft"] == pytest.approx(kept["tuned"] - kept["sft"])
+    samples = report["samples"]
+    assert samples["k"] == k and samples["items"] == items
+    assert samples["pass@1"] <= samples[f"pass@{k}"] and samples["answer_entropy"] >= 0
+    assert_accuracy_over(items * k, samples[f"mean@{k}"])
+    flat = scalars({"drift": report})
+    for key in ("kl_base", "retention/tuned", f"samples/pass@{k}", "update/final/mean"):
+        assert f"drift/{key}" in flat, key
 
 
 @pytest.mark.slow

@@ -63,6 +63,28 @@ def _chunk_logprobs(
     device: torch.device,
     keep: bool,
 ) -> list[list[float]]:
+    logp, ids = tail_log_softmax(model, chunk, pad_id, device, keep)
+    logp = logp[:, :-1, :]  # (B, tail - 1, V): predicts ids[-tail+1:]
+    target = ids[:, ids.shape[1] - logp.shape[1] :]  # (B, tail - 1)
+    picked = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1).cpu()  # (B, tail - 1)
+    out = []
+    for i, (_, cont) in enumerate(chunk):
+        n = len(cont)
+        out.append(picked[i, picked.shape[1] - n :].tolist() if n else [])
+    return out
+
+
+def tail_log_softmax(
+    model: Any,
+    chunk: Sequence[tuple[list[int], list[int]]],
+    pad_id: int,
+    device: torch.device,
+    keep: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probs (float32) at the last ``max |c| + 1`` columns of the left-padded
+    rows ``[pads][prompt][continuation]``, and the rows' ids (B, T). Row i's continuation is
+    predicted by its last ``|c_i| + 1`` columns minus the very last, which predicts the token
+    after it. Returns ((B, tail, V), (B, T))."""
     rows = [p + c for p, c in chunk]
     width = max(len(r) for r in rows)
     tail = max(len(c) for _, c in chunk) + 1  # columns whose logits predict a scored token
@@ -77,14 +99,7 @@ def _chunk_logprobs(
     extra = {"logits_to_keep": tail} if keep else {}
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **extra).logits
     logits = logits[:, -tail:, :].float()  # (B, tail, V)
-    logp = torch.log_softmax(logits[:, :-1, :], dim=-1)  # (B, tail - 1, V): predicts ids[-tail+1:]
-    target = ids[:, width - tail + 1 :]  # (B, tail - 1)
-    picked = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1).cpu()  # (B, tail - 1)
-    out = []
-    for i, (_, cont) in enumerate(chunk):
-        n = len(cont)
-        out.append(picked[i, picked.shape[1] - n :].tolist() if n else [])
-    return out
+    return torch.log_softmax(logits, dim=-1), ids
 
 
 def population_token_logprobs(

@@ -97,6 +97,7 @@ def run(
         evaluator = population_evaluator(cfg, base, tokenizer, adapter, h.comm.world_size)
         evaluator.record_logprobs = COMPLETION_LOGPROBS in reward.needs  # type: ignore[attr-defined]
         heldout = functools.partial(_heldout, h, evaluator, task.test, test_prompts)
+        drift = functools.partial(_drift, cfg, h, base, tokenizer, adapter, task.test)
         # A resumed run's optimizer has the population its plan gave it (plan.json).
         build = functools.partial(_optimizer, budget.adopt(cfg, h, None), adapter)
         opt, loaded = _load_checkpoint(run_dir, build) if resume else (None, None)
@@ -139,7 +140,7 @@ def run(
             step.finish(record, lambda: _save_checkpoint(run_dir, opt, state))
         state.update(test_size=len(task.test), model_bytes=base_bytes, elapsed=h.elapsed)
         state["max_new_tokens"] = cfg.generation.new_tokens
-        return _finish(cfg, h, adapter, opt, state, heldout, sft_dir)
+        return _finish(cfg, h, adapter, opt, state, heldout, sft_dir, drift)
 
 
 def _heldout(
@@ -356,9 +357,11 @@ def _finish(
     state: dict[str, Any],
     heldout: Heldout,
     sft_dir: str,
+    drift: Callable[[AdapterVector], dict[str, Any]],
 ) -> dict[str, Any]:
     """Evaluate the selected vector on the held-out split (every rank, sharded); rank 0 alone
-    exports it and writes the summary (the others return ``{}``)."""
+    measures its drift (essa/drift.py), exports it and writes the summary (the others return
+    ``{}``)."""
     from essa.backends.memory import memory_metrics
 
     vector = np.asarray(opt.mean)
@@ -369,6 +372,7 @@ def _finish(
         return {}
     if "generations" in h.reporter.planned:  # the loop's phase also holds its held-out checks
         h.reporter.actual["generations"] = state.get("search_seconds", 0.0)
+    report = drift(vector)
     adapter_dir = h.run_dir / "adapter"
     with h.phase("export"):
         adapter.export_peft(vector, adapter_dir, base_model_name_or_path=cfg.model.name_or_path)
@@ -386,6 +390,7 @@ def _finish(
         scale_baseline_ran="scale_baseline" in state,  # off by default for real models
         dim=adapter.dim,
         test_size=state["test_size"],
+        drift=report,
         **memory_metrics(state["model_bytes"]),
     )
     if summary["scale_baseline"] and "heldout_accuracy" in summary["scale_baseline"]:
@@ -395,3 +400,39 @@ def _finish(
             f"prompts): held-out {scale['heldout_accuracy']:.3f}"
         )
     return h.finish(summary)
+
+
+def _drift(
+    cfg: Config,
+    h: Harness,
+    model: Any,
+    tokenizer: Any,
+    adapter: SVDAdapter,
+    test: list[Example],
+    vector: AdapterVector,
+) -> dict[str, Any]:
+    """The drift report of ``vector`` (rank 0, after the search): ``model`` is the bare base
+    model (None under vLLM: update sizes need W0 too, so nothing is measured)."""
+    from essa import drift
+
+    if model is None:
+        return {}
+    zeros = np.zeros(adapter.dim)
+    updates = None
+    w0 = drift.base_weights(model, adapter.module_names)
+    if w0 is not None:
+        sft, final = adapter.delta_weights(zeros), adapter.delta_weights(vector)
+        search = {name: final[name] - sft[name] for name in final}
+        updates = {
+            "sft": drift.update_size(sft, w0),
+            "final": drift.update_size(final, w0),
+            "search": drift.update_size(search, w0),  # the final adapter's change from SFT
+        }
+    mb = cfg.evaluation.micro_batch_size
+    models = drift.PopulationModels(model, tokenizer, adapter, np.asarray(vector), mb)
+    with h.phase("drift"):
+        report = drift.measure(cfg, models, tokenizer, test, h.metric, updates)
+    line = drift.summary_line(report)
+    if line is not None:
+        h.say(line)
+    return report

@@ -755,6 +755,7 @@ def _finish(
     final = heldout_accuracy(
         policy, tokenizer, data, cfg, h, "final held-out", state["step"], final=True
     )
+    report = _drift(cfg, h, policy, tokenizer, data)
     adapter_dir = h.run_dir / "adapter"
     with h.phase("export"):
         policy.export(adapter_dir, cfg.model.name_or_path)
@@ -777,9 +778,31 @@ def _finish(
         test_size=len(data.test),
         variant=_preset(cfg),
         grpo=to_dict(g),
+        drift=report,
         **memory_metrics(state["model_bytes"]),
     )
     return h.finish(summary)
+
+
+def _drift(cfg: Config, h: Harness, policy: Policy, tokenizer: Any, data: _Data) -> dict[str, Any]:
+    """The final policy's drift report (essa/drift.py). LISA trains the base weights (the SFT
+    adapter merged in), so it has neither a base nor an adapter to compare: pass@K and
+    retention of the tuned model only."""
+    from essa import drift
+
+    lisa = cfg.grpo.trainable == "lisa"
+    sft = None if lisa else policy.frozen_reference
+    models = drift.PeftModels(
+        policy.model, tokenizer, cfg.evaluation.micro_batch_size, sft=sft, has_base=not lisa
+    )
+    updates = None if lisa else drift.peft_updates(policy.model, sft)
+    # Not under policy.inference(): its cached factors would outlive frozen_reference's swap.
+    with h.phase("drift"):
+        report = drift.measure(cfg, models, tokenizer, data.test, h.metric, updates)
+    line = drift.summary_line(report)
+    if line is not None:
+        h.say(line)
+    return report
 
 
 def _shown(record: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,509 @@
+"""What else a tuned adapter changed: off-task KL, update size, retention and pass@K.
+
+Forward passes and generation only, offline (docs/drift.md has the formulas):
+
+* off-task KL: mean per-token KL(base || tuned), KL(SFT || tuned) and KL(base || SFT),
+  teacher-forced on the base model's own greedy continuations of fixed off-task prompts
+  (:func:`offtask_prompts`), over the |y| + 1 next-token distributions from the end of the
+  prompt to the token after the continuation;
+* update size: ||dW||_F / ||W0||_F per adapted matrix, mean and max, for the SFT adapter and
+  the tuned one (:func:`update_size`);
+* retention: greedy accuracy on a built-in task the run does not train on, for the base, the
+  SFT adapter and the tuned one;
+* diversity: pass@K, maj@K and mean@K of K sampled completions per held-out item, and the
+  answer entropy per item.
+
+The models are reached through :class:`PopulationModels` (ESSA: the bare base model, and the SFT
+and tuned vectors as two candidate rows of one PopulationLoRA forward) or :class:`PeftModels`
+(GRPO and ``essa eval``: a PEFT model with its adapter switched off for the base). Sampling draws
+from counter-based per-row streams (``drift.samples``), never from a stream training uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from essa import seeding
+from essa.config import Config, DriftConfig, GenerationConfig
+from essa.types import AdapterVector, Example
+
+if TYPE_CHECKING:
+    from essa.adapters.svd import SVDAdapter
+
+Pair = tuple[list[int], list[int]]  # (prompt ids, continuation ids)
+
+# General-text prompts for the off-task set, interleaved with built-in arithmetic problems.
+# Short, so that prompt + continuation fit a small model's context.
+OFFTASK_TEXTS = (
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "Once upon a time, there was a",
+    "The opposite of hot is",
+    "A list of three primary colours:",
+    "def add(a, b):",
+    "The largest planet in the solar system is",
+    "Translate to French: good morning.",
+    "The first month of the year is",
+    "Photosynthesis is the process by which",
+    "My favourite book is",
+    "The chemical symbol for gold is",
+    "In 1492, Columbus",
+    "A haiku about the sea:",
+    "import numpy as np",
+    "The square root of 81 is",
+)
+NAMES = ("base", "sft", "tuned")
+
+
+def retention_source(cfg: Config) -> str | None:
+    """The built-in task retention is measured on (None: off).
+
+    >>> from essa.config import load_config
+    >>> retention_source(load_config(None, []))
+    'builtin:arithmetic_mixed'
+    """
+    choice = cfg.evaluation.drift.retention
+    if choice == "none" or cfg.evaluation.drift.items == 0:
+        return None
+    if choice == "auto":
+        mixed = "builtin:arithmetic_mixed"
+        return "builtin:arithmetic" if cfg.data.source == mixed else mixed
+    return choice
+
+
+def offtask_prompts(train_source: str, n: int, tokenizer: Any) -> list[str]:
+    """``n`` off-task prompts, the same for every run on the same task and tokenizer.
+
+    Round robin over :data:`OFFTASK_TEXTS` (those the tokenizer round-trips: a digits-only
+    vocabulary drops letters) and the fixed test splits of the built-in arithmetic tasks other
+    than ``train_source``, each in its own order, until ``n`` are taken or all are used.
+    """
+    from essa.data.loaders import BUILTIN_SOURCES, builtin_examples
+
+    def encodable(text: str) -> bool:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return tokenizer.decode(ids, skip_special_tokens=True) == text
+
+    streams = [[t for t in OFFTASK_TEXTS if encodable(t)]]
+    for source in BUILTIN_SOURCES:
+        if source != train_source:
+            streams.append([e.prompt for e in builtin_examples(source)[1][:n]])
+    out: list[str] = []
+    for i in range(max((len(s) for s in streams), default=0)):
+        out.extend(s[i] for s in streams if i < len(s))
+    return out[:n]
+
+
+def token_kl(logp_p: torch.Tensor, logp_q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) = sum_v p_v (log p_v - log q_v) per position, from log-probs (..., V).
+
+    >>> logp = torch.log_softmax(torch.tensor([[1.0, 2.0, 3.0]]), -1)
+    >>> float(token_kl(logp, logp))
+    0.0
+    """
+    return (logp_p.exp() * (logp_p - logp_q)).sum(-1)
+
+
+def tail_mask(chunk: Sequence[Pair], tail: int) -> torch.Tensor:
+    """(B, tail) bool: row i's last ``|c_i| + 1`` columns, the distributions that predict its
+    continuation and the token after it (:func:`essa.backends.teacher.tail_log_softmax`)."""
+    mask = torch.zeros((len(chunk), tail), dtype=torch.bool)
+    for i, (prompt, cont) in enumerate(chunk):
+        mask[i, tail - min(len(cont) + 1, len(prompt) + len(cont), tail) :] = True
+    return mask
+
+
+@dataclass
+class PopulationModels:
+    """ESSA's models: the bare base model, and the SFT (zero offsets) and tuned vectors as the
+    two candidate rows of one PopulationLoRA forward."""
+
+    model: Any  # the bare base model
+    tokenizer: Any
+    adapter: SVDAdapter
+    vector: AdapterVector
+    micro_batch_size: int
+    names: tuple[str, ...] = NAMES
+
+    def _population(self) -> np.ndarray:
+        return np.stack([np.zeros_like(self.vector), np.asarray(self.vector)])  # (2, D)
+
+    def log_softmax(self, chunk: Sequence[Pair]) -> dict[str, torch.Tensor]:
+        from essa.adapters import PopulationLoRA, candidate_rows
+
+        base = _tail(self.model, chunk, self.tokenizer.pad_token_id)
+        with PopulationLoRA(self.model, self.adapter) as pop:
+            pop.set_population(self._population())
+            pop.set_rows(candidate_rows(2, len(chunk)))
+            both = _tail(self.model, list(chunk) * 2, self.tokenizer.pad_token_id)
+        n = len(chunk)
+        return {"base": base, "sft": both[:n], "tuned": both[n:]}
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        gen: GenerationConfig,
+        names: Sequence[str],
+        row_seeds: Sequence[int] | None = None,
+    ) -> dict[str, list[str]]:
+        from essa.adapters import PopulationLoRA, candidate_rows
+        from essa.backends.hf import generate_texts
+
+        out: dict[str, list[str]] = {}
+        if "base" in names:
+            out["base"], _ = generate_texts(
+                self.model,
+                self.tokenizer,
+                prompts,
+                gen,
+                micro_batch_size=self.micro_batch_size,
+                row_seeds=row_seeds,
+            )
+        rows = [i for i, name in enumerate(("sft", "tuned")) if name in names]
+        if rows:
+            n = len(prompts)
+            with PopulationLoRA(self.model, self.adapter) as pop:
+                pop.set_population(self._population()[rows])
+                texts, _ = generate_texts(
+                    self.model,
+                    self.tokenizer,
+                    list(prompts) * len(rows),  # candidate-major
+                    gen,
+                    micro_batch_size=self.micro_batch_size,
+                    row_candidates=candidate_rows(len(rows), n),
+                    set_rows=pop.set_rows,
+                    row_seeds=None if row_seeds is None else list(row_seeds) * len(rows),
+                )
+            for c, i in enumerate(rows):
+                out[("sft", "tuned")[i]] = texts[c * n : (c + 1) * n]
+        return out
+
+
+@dataclass
+class PeftModels:
+    """A PEFT model holding the tuned adapter: the base with the adapter switched off, the SFT
+    values under ``sft`` (a context that loads them; None: not known), the tuned as is."""
+
+    model: Any  # PeftModel
+    tokenizer: Any
+    micro_batch_size: int
+    sft: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+    has_base: bool = True  # False: the base weights themselves were trained (GRPO with LISA)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n in NAMES if self._context(n) is not None)
+
+    @property
+    def inner(self) -> Any:
+        """The HF model with the LoRA layers injected: it generates as the PEFT model does, and
+        the decode loop (row dropping, per-row sampling streams) applies to it."""
+        get = getattr(self.model, "get_base_model", None)
+        return self.model if get is None else get()
+
+    def _context(self, name: str) -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
+        if name == "base":
+            return self.model.disable_adapter if self.has_base else None
+        if name == "sft":
+            return self.sft
+        return contextlib.nullcontext
+
+    def log_softmax(self, chunk: Sequence[Pair]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in self.names:
+            with self._context(name)():  # type: ignore[misc]
+                out[name] = _tail(self.inner, chunk, self.tokenizer.pad_token_id)
+        return out
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        gen: GenerationConfig,
+        names: Sequence[str],
+        row_seeds: Sequence[int] | None = None,
+    ) -> dict[str, list[str]]:
+        from essa.backends.hf import generate_texts
+
+        out = {}
+        for name in (n for n in self.names if n in names):
+            with self._context(name)():  # type: ignore[misc]
+                out[name], _ = generate_texts(
+                    self.inner,
+                    self.tokenizer,
+                    prompts,
+                    gen,
+                    micro_batch_size=self.micro_batch_size,
+                    row_seeds=row_seeds,
+                )
+        return out
+
+
+Models = PopulationModels | PeftModels
+
+
+@torch.no_grad()
+def _tail(model: Any, chunk: Sequence[Pair], pad_id: int) -> torch.Tensor:
+    import inspect
+
+    from essa.backends.hf import model_device
+    from essa.backends.teacher import tail_log_softmax
+
+    keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+    logp, _ = tail_log_softmax(model, chunk, pad_id, model_device(model), keep)
+    return logp.cpu()  # (B, tail, V)
+
+
+@torch.no_grad()
+def offtask_kl(
+    models: Models, prompts: Sequence[str], tokens: int, micro_batch_size: int
+) -> dict[str, Any]:
+    """Mean per-token KL between the models on the base model's greedy continuations of
+    ``prompts`` (``tokens`` new tokens at most): ``kl_base`` = KL(base || tuned), ``kl_sft`` =
+    KL(SFT || tuned), ``kl_base_sft`` = KL(base || SFT), where the models are known."""
+    from essa.backends.teacher import encode_pairs
+
+    gen = GenerationConfig(max_new_tokens=tokens, temperature=0.0)
+    continuations = models.generate(prompts, gen, ["base"])["base"]
+    pairs = encode_pairs(models.tokenizer, prompts, continuations)
+    wanted = {
+        "kl_base": ("base", "tuned"),
+        "kl_sft": ("sft", "tuned"),
+        "kl_base_sft": ("base", "sft"),
+    }
+    wanted = {k: v for k, v in wanted.items() if set(v) <= set(models.names)}
+    sums = dict.fromkeys(wanted, 0.0)
+    positions = 0
+    for start in range(0, len(pairs), micro_batch_size):
+        chunk = pairs[start : start + micro_batch_size]
+        logps = models.log_softmax(chunk)  # name -> (B, tail, V)
+        mask = tail_mask(chunk, next(iter(logps.values())).shape[1])  # (B, tail)
+        positions += int(mask.sum())
+        for key, (p, q) in wanted.items():
+            sums[key] += float(token_kl(logps[p], logps[q])[mask].double().sum())
+    report: dict[str, Any] = {k: s / positions if positions else math.nan for k, s in sums.items()}
+    report.update(kl_prompts=len(pairs), kl_positions=positions)
+    return report
+
+
+def update_size(deltas: Mapping[str, torch.Tensor], bases: Mapping[str, torch.Tensor]) -> dict:
+    """``||dW||_F / ||W0||_F`` per adapted matrix: mean, max and count.
+
+    >>> update_size({"w": torch.ones(2, 2)}, {"w": 2 * torch.ones(2, 2)})
+    {'mean': 0.5, 'max': 0.5, 'matrices': 1}
+    """
+    ratios = [
+        float(torch.linalg.norm(delta.double()) / torch.linalg.norm(bases[name].double()))
+        for name, delta in deltas.items()
+    ]
+    return {"mean": float(np.mean(ratios)), "max": float(np.max(ratios)), "matrices": len(ratios)}
+
+
+def base_weights(model: Any, names: Sequence[str]) -> dict[str, torch.Tensor] | None:
+    """W0 of the named linears of ``model`` (float32 CPU); None when quantised (no W0 to read)."""
+    weights = {name: model.get_submodule(name).weight for name in names}
+    if any(not w.is_floating_point() for w in weights.values()):
+        return None
+    return {name: w.detach().float().cpu() for name, w in weights.items()}
+
+
+def peft_deltas(peft_model: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(gamma * B A, W0)`` per LoRA module of a PEFT model, keyed by its base-model name."""
+    deltas, bases = {}, {}
+    for name, module in peft_model.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if not isinstance(lora_a, torch.nn.ModuleDict) or not lora_a:
+            continue
+        (adapter,) = module.active_adapters
+        a = module.lora_A[adapter].weight.detach().float().cpu()  # (r, n)
+        b = module.lora_B[adapter].weight.detach().float().cpu()  # (m, r)
+        key = name.removeprefix("base_model.model.")
+        deltas[key] = float(module.scaling[adapter]) * (b @ a)
+        weight = module.base_layer.weight.detach()
+        bases[key] = weight.float().cpu() if weight.is_floating_point() else weight
+    return deltas, bases
+
+
+def peft_updates(
+    peft_model: Any, sft: Callable[[], contextlib.AbstractContextManager[Any]] | None
+) -> dict[str, Any] | None:
+    """Update sizes of a PEFT model's adapter (``final``) and, with ``sft`` (a context that
+    loads the SFT values), of the SFT adapter and the change from it (``search``); None when
+    the base weights are quantised."""
+    final, w0 = peft_deltas(peft_model)
+    if any(not w.is_floating_point() for w in w0.values()):
+        return None
+    report = {"final": update_size(final, w0)}
+    if sft is not None:
+        with sft():
+            start, _ = peft_deltas(peft_model)
+        report["sft"] = update_size(start, w0)
+        report["search"] = update_size({n: final[n] - start[n] for n in final}, w0)
+    return report
+
+
+def retention(
+    models: Models,
+    examples: Sequence[Example],
+    prompts: Sequence[str],
+    gen: GenerationConfig,
+    source: str,
+) -> dict[str, Any]:
+    """Greedy math accuracy of each model on ``examples`` and the tuned one's changes."""
+    from essa.rewards import get_reward
+
+    reward = get_reward("math_accuracy")
+    answers = [e.answer for e in examples]
+    texts = models.generate(prompts, replace(gen, temperature=0.0), models.names)
+    report: dict[str, Any] = {"source": source, "items": len(examples)}
+    for name, completions in texts.items():
+        scores = reward(completions, answers, list(prompts))
+        report[name] = sum(float(s or 0.0) for s in scores) / len(scores)
+    for name in ("base", "sft"):
+        if name in report:
+            report[f"change_from_{name}"] = report["tuned"] - report[name]
+    return report
+
+
+def sampled(
+    models: Models,
+    examples: Sequence[Example],
+    prompts: Sequence[str],
+    gen: GenerationConfig,
+    k: int,
+    reward: Any,
+    seed: int,
+) -> dict[str, Any]:
+    """pass@K, maj@K, mean@K and the mean answer entropy (nats) of the tuned model from K
+    samples per item, on per-row streams of ``drift.samples`` (no training stream moves)."""
+    from essa.backends.sampling import row_seed
+
+    base_seed = seeding.seed_int(seed, "drift.samples")
+    rows = [p for p in prompts for _ in range(k)]  # problem-major
+    seeds = [row_seed(base_seed, i, j) for i in range(len(prompts)) for j in range(k)]
+    texts = models.generate(rows, gen, ["tuned"], row_seeds=seeds)["tuned"]
+    answers = [e.answer for e in examples for _ in range(k)]
+    return grade_samples(texts, answers, rows, k, reward)
+
+
+def grade_samples(
+    texts: Sequence[str], answers: Sequence[str | None], rows: Sequence[str], k: int, reward: Any
+) -> dict[str, Any]:
+    """The sampled metrics of ``texts`` (problem-major, ``k`` per problem); full credit only."""
+    from essa.metrics import sample_metrics
+    from essa.rewards import extract_answer
+
+    values = [float(s or 0.0) for s in reward(list(texts), list(answers), list(rows))]
+    n = len(values) // k
+    correct = [[v >= 1.0 for v in values[i * k : (i + 1) * k]] for i in range(n)]
+    keys = [[extract_answer(t) for t in texts[i * k : (i + 1) * k]] for i in range(n)]
+    metrics: dict[str, Any] = {"k": k, "items": n}
+    metrics.update(sample_metrics(correct, ks=sorted({1, k}), keys=keys))
+    metrics[f"mean@{k}"] = metrics.pop(f"avg@{k}")
+    metrics["answer_entropy"] = float(np.mean([answer_entropy(row) for row in keys]))
+    return metrics
+
+
+def answer_entropy(answers: Sequence[str | None]) -> float:
+    """Entropy (nats) of the extracted answers of one problem's samples (None is an answer).
+
+    >>> answer_entropy(["1", "1"]), round(answer_entropy(["1", "2"]), 4)
+    (0.0, 0.6931)
+    """
+    counts = np.array(list(Counter(answers).values()), dtype=np.float64)
+    p = counts / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def measure(
+    cfg: Config,
+    models: Models | None,
+    tokenizer: Any,
+    test: Sequence[Example],
+    reward: Any,
+    updates: Mapping[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The drift report of ``evaluation.drift`` (``updates``: the update sizes, by adapter).
+
+    ``models`` None (no HF model, e.g. the vLLM backend): update sizes only.
+    """
+    d: DriftConfig = cfg.evaluation.drift
+    report: dict[str, Any] = {}
+    if updates:
+        report["update"] = dict(updates)
+    if models is None:
+        return report
+    with _eval_mode(models.model):
+        report.update(_model_parts(cfg, d, models, tokenizer, test, reward))
+    return report
+
+
+def _model_parts(
+    cfg: Config,
+    d: DriftConfig,
+    models: Models,
+    tokenizer: Any,
+    test: Sequence[Example],
+    reward: Any,
+) -> dict[str, Any]:
+    from essa.recipes.common import render_prompts
+
+    def render(examples: Sequence[Example]) -> list[str]:
+        return render_prompts(examples, cfg.data.template, tokenizer, cfg.data.system_prompt)
+
+    report: dict[str, Any] = {}
+    mb = cfg.evaluation.micro_batch_size
+    if d.prompts and "base" in models.names:
+        texts = offtask_prompts(cfg.data.source, d.prompts, tokenizer)
+        prompts = render([Example(prompt=t, answer=None) for t in texts])
+        report.update(offtask_kl(models, prompts, d.tokens, mb))
+    source = retention_source(cfg)
+    if source is not None:
+        from essa.data.loaders import builtin_examples
+
+        examples = builtin_examples(source)[1][: d.items]
+        report["retention"] = retention(models, examples, render(examples), cfg.generation, source)
+    items = list(test[: d.items])
+    if d.samples >= 2 and items:
+        gen = replace(cfg.generation, temperature=d.temperature)
+        report["samples"] = sampled(
+            models, items, render(items), gen, d.samples, reward, cfg.run.seed
+        )
+    return report
+
+
+@contextlib.contextmanager
+def _eval_mode(model: Any) -> Iterator[None]:
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
+
+
+def summary_line(report: Mapping[str, Any]) -> str | None:
+    """One console line of the report's headline figures (None when it has none)."""
+    parts = []
+    if "kl_base" in report:
+        parts.append(f"off-task KL(base||tuned) {report['kl_base']:.4f}")
+    if "kl_sft" in report:
+        parts.append(f"KL(SFT||tuned) {report['kl_sft']:.4f}")
+    final = report.get("update", {}).get("final")
+    if final:
+        parts.append(f"||dW||/||W0|| mean {final['mean']:.4f} max {final['max']:.4f}")
+    kept = report.get("retention")
+    if kept:
+        parts.append(f"retention ({kept['source']}) {kept['tuned']:.3f}")
+    samples = report.get("samples")
+    if samples:
+        k = samples["k"]
+        parts.append(f"pass@{k} {samples[f'pass@{k}']:.3f} maj@{k} {samples[f'maj@{k}']:.3f}")
+    return "drift: " + "; ".join(parts) if parts else None

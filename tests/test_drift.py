@@ -1,0 +1,145 @@
+"""Drift and retention figures (essa/drift.py) on the tiny in-process Qwen2: KL, update size,
+the off-task set and the sampled metrics."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from essa import drift
+from essa.config import ConfigError, load_config
+from tests.conftest import svd_setup
+
+PROMPTS = ["12+3=", "7*8=", "45-6=", "9 9 9", "1="]
+
+
+def lora_model(model_dir: Path) -> tuple[Any, Any]:
+    """(peft_model, tokenizer): the tiny model with a rank-4 LoRA whose B is non-zero."""
+    from essa.backends.hf import load_model
+    from essa.config import AdapterConfig, ModelConfig
+    from essa.recipes.sft import make_lora_model
+
+    model, tokenizer = load_model(ModelConfig(name_or_path=str(model_dir)))
+    peft_model = make_lora_model(model, AdapterConfig(rank=4, lora_alpha=8)).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at zero; a trained adapter has non-zero B
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+    return peft_model, tokenizer
+
+
+def test_kl_of_a_model_against_itself_is_zero_and_grows_when_the_adapter_moves(
+    tiny_model_dir: Path,
+) -> None:
+    base, tokenizer, adapter = svd_setup(tiny_model_dir)
+    zero = np.zeros(adapter.dim)
+    same = drift.offtask_kl(
+        drift.PopulationModels(base, tokenizer, adapter, zero, 2), PROMPTS, 6, micro_batch_size=2
+    )
+    # SFT and tuned are the same vector in two rows of one forward: identical distributions.
+    assert abs(same["kl_sft"]) <= 1e-7
+    assert same["kl_base"] == pytest.approx(same["kl_base_sft"], abs=1e-7)
+    assert same["kl_base"] > 1e-4  # the SFT adapter itself moves off the base
+    assert same["kl_prompts"] == len(PROMPTS)
+    # |y_i| + 1 distributions per prompt: at least one each, at most tokens + 1.
+    assert len(PROMPTS) <= same["kl_positions"] <= len(PROMPTS) * 7
+    moved = 0.5 * adapter.stds() * np.random.default_rng(0).standard_normal(adapter.dim)
+    after = drift.offtask_kl(
+        drift.PopulationModels(base, tokenizer, adapter, moved, 2), PROMPTS, 6, micro_batch_size=3
+    )
+    assert after["kl_sft"] > 1e-4
+    assert after["kl_base_sft"] == pytest.approx(same["kl_base_sft"], rel=1e-5)  # the same SFT
+    assert after["kl_positions"] == same["kl_positions"]  # the base's continuations are fixed
+
+
+def test_peft_and_population_paths_give_the_same_figures(tiny_model_dir: Path) -> None:
+    """GRPO and `essa eval` (a PEFT model) measure what ESSA's population rows measure."""
+    from essa.adapters import SVDAdapter
+
+    peft_model, tokenizer = lora_model(tiny_model_dir)
+    peft = drift.PeftModels(peft_model, tokenizer, 2, sft=contextlib.nullcontext)
+    peft_kl = drift.offtask_kl(peft, PROMPTS, 6, micro_batch_size=2)
+    assert peft_kl["kl_sft"] == 0.0  # the same model run twice
+    peft_size = drift.peft_updates(peft_model, contextlib.nullcontext)
+    assert peft_size is not None and peft_size["search"]["max"] == 0.0
+    adapter = SVDAdapter.from_peft_model(peft_model, alpha=1.0)
+    base = peft_model.unload()
+    zero = np.zeros(adapter.dim)
+    pop_kl = drift.offtask_kl(
+        drift.PopulationModels(base, tokenizer, adapter, zero, 2), PROMPTS, 6, micro_batch_size=2
+    )
+    assert pop_kl["kl_base"] == pytest.approx(peft_kl["kl_base"], rel=1e-4)
+    w0 = drift.base_weights(base, adapter.module_names)
+    assert w0 is not None
+    pop_size = drift.update_size(adapter.delta_weights(zero), w0)
+    assert pop_size["mean"] == pytest.approx(peft_size["final"]["mean"], rel=1e-5)
+    assert pop_size["max"] == pytest.approx(peft_size["final"]["max"], rel=1e-5)
+
+
+def test_update_size_matches_a_hand_computation(tiny_model_dir: Path) -> None:
+    peft_model, _ = lora_model(tiny_model_dir)
+    ratios = []
+    for name, module in peft_model.named_modules():
+        if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")):
+            a = module.lora_A["default"].weight.detach().double().numpy()  # (r, n)
+            b = module.lora_B["default"].weight.detach().double().numpy()  # (m, r)
+            w = module.base_layer.weight.detach().double().numpy()  # (m, n)
+            delta = (8 / 4) * b @ a  # lora_alpha / r
+            ratios.append(np.sqrt((delta**2).sum()) / np.sqrt((w**2).sum()))
+    report = drift.peft_updates(peft_model, None)
+    assert report is not None and set(report) == {"final"}  # no SFT given: no sft, no search
+    assert report["final"]["matrices"] == len(ratios) == 8  # q, k, v, o of 2 layers
+    assert report["final"]["mean"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-5)
+    assert report["final"]["max"] == pytest.approx(max(ratios), rel=1e-5)
+
+
+def test_offtask_prompts_are_fixed_and_leave_out_the_training_task() -> None:
+    from essa.backends.hf import load_model
+    from essa.config import ModelConfig
+    from essa.data.loaders import builtin_examples
+
+    _, tokenizer = load_model(ModelConfig(name_or_path="builtin:demo"))
+    prompts = drift.offtask_prompts("builtin:arithmetic", 12, tokenizer)
+    assert prompts == drift.offtask_prompts("builtin:arithmetic", 12, tokenizer)
+    assert len(prompts) == 12
+    # The demo's digits-only vocabulary drops letters: no general-text prompt survives.
+    assert not set(prompts) & set(drift.OFFTASK_TEXTS)
+    trained = {e.prompt for part in builtin_examples("builtin:arithmetic") for e in part}
+    assert not set(prompts) & trained
+    assert prompts[:2] == [
+        builtin_examples("builtin:arithmetic3")[1][0].prompt,
+        builtin_examples("builtin:arithmetic_mixed")[1][0].prompt,
+    ]
+
+
+def test_grade_samples_counts_full_credit_and_answer_entropy() -> None:
+    def reward(texts: list[str], answers: list, rows: list[str]) -> list[float | None]:
+        return [
+            1.0 if t == a else (0.5 if t else None) for t, a in zip(texts, answers, strict=True)
+        ]
+
+    texts = ["3", "3", "4", "", "7", "8", "8", "8"]
+    answers = ["3"] * 4 + ["7"] * 4
+    report = drift.grade_samples(texts, answers, ["p"] * 8, 4, reward)
+    assert report["k"] == 4 and report["items"] == 2
+    assert report["mean@4"] == pytest.approx((2 / 4 + 1 / 4) / 2)
+    assert report["pass@4"] == 1.0 and report["maj@4"] == 0.5  # "8" outvotes "7"
+    entropy_a = -(0.5 * np.log(0.5) + 2 * 0.25 * np.log(0.25))  # 3, 3, 4, None
+    entropy_b = -(0.25 * np.log(0.25) + 0.75 * np.log(0.75))
+    assert report["answer_entropy"] == pytest.approx((entropy_a + entropy_b) / 2)
+
+
+def test_retention_source_and_its_check() -> None:
+    assert drift.retention_source(load_config(None, [])) == "builtin:arithmetic_mixed"
+    mixed = load_config(None, ["data.source=builtin:arithmetic_mixed"])
+    assert drift.retention_source(mixed) == "builtin:arithmetic"
+    assert drift.retention_source(load_config(None, ["evaluation.drift.retention=none"])) is None
+    assert drift.retention_source(load_config(None, ["evaluation.drift.items=0"])) is None
+    with pytest.raises(ConfigError, match="evaluation.drift.retention"):
+        load_config(None, ["evaluation.drift.retention=gsm8k"])
