@@ -158,3 +158,15 @@ def test_prompts_are_tokenised_once_per_run(setup) -> None:  # type: ignore[no-u
         assert evaluator.completions(population(adapter), PROMPTS) == reference[strategy]
         evaluator.completions(population(adapter), PROMPTS[::-1] + ["5+5="])
         assert sorted(seen) == sorted(PROMPTS + ["5+5="])
+
+
+def test_rows_run_shortest_first_with_a_prompts_candidates_together() -> None:
+    """Flat indices c * n + i: prompt order by prompt + reference length, candidates inside."""
+    from essa.backends.evaluator import length_order
+
+    ids = [[1, 2, 3], [1], [1, 2], [1, 2, 3, 4]]  # n = 4 prompts
+    refs = [[9], [9, 9, 9, 9], [9], []]  # lengths 4, 5, 3, 4
+    order = length_order(ids, refs, 2).tolist()
+    assert order == [2, 6, 0, 4, 3, 7, 1, 5]  # prompt 2, then 0 and 3 (ties keep order), then 1
+    assert sorted(order) == list(range(8))
+    assert length_order(ids, None, 1).tolist() == [1, 2, 0, 3]
