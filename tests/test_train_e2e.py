@@ -79,7 +79,7 @@ def three_generations(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, P
 
 @pytest.mark.slow
 def test_train_writes_run_dir_and_loadable_adapter(three_generations: tuple[Path, Path]) -> None:
-    run_dir, _ = three_generations
+    run_dir, stdout = three_generations
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in (
         "baseline_accuracy",
@@ -114,7 +114,7 @@ def test_train_writes_run_dir_and_loadable_adapter(three_generations: tuple[Path
     sft_delta = {k: v for k, v in sft.items()}
     assert any(not torch.allclose(final[k], sft_delta[k]) for k in final), "ESSA changed nothing"
     assert_drift_report(summary["drift"], k=4, items=40)
-    assert "drift: off-task KL(base||tuned)" in res.stdout
+    assert "drift: off-task KL(base||tuned)" in stdout.read_text()
 
     # `essa eval` of the run's adapters prints the same figures (PEFT path vs population rows).
     res = essa(
