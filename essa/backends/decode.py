@@ -235,7 +235,7 @@ def decode_rows(
         )
     )
     for step in range(max_new):
-        if step == 0 and drafting:
+        if step == 0 and drafting and teacher is not None:
             _draft_prefill(model, state, cache, teacher, pad, teacher_logprobs, guard, stops)
         elif step == 0 and teacher is not None:
             logits = _teacher_prefill(model, state, cache, teacher, pad, teacher_logprobs)

@@ -356,7 +356,9 @@ class PopulationEvaluator:
             self.last_reference_logprobs.extend(
                 [ref_logprobs[back[c * n + i]] for i in range(n)] for c in range(p)
             )
-        flagged = guard.rows[torch.as_tensor(back)].view(p, n)  # (P, n) candidate-major
+        flagged = guard.rows[torch.as_tensor(back, dtype=torch.long)].view(
+            p, n
+        )  # (P, n) candidate-major
         out = [[texts[back[c * n + i]] for i in range(n)] for c in range(p)]
         return out, tokens, flagged.any(dim=1).tolist()
 
