@@ -10,34 +10,15 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import pytest
-import torch
 
 from essa.config import EvaluationConfig, GenerationConfig
+from tests import test_decode
+from tests.test_decode import FEW_SHOT, QUESTIONS
 
-QUESTIONS = ["12+3=", "7+45=", "1+1=", "99+99=", "5+60=", "3+3=", "48+51=", "0+7="]
-FEW_SHOT = "1+2+3+4+5+"  # 10 shared tokens: the prefix cache applies
+demo = test_decode.demo  # the fixture: the demo model, its adapter and four candidates
+
 MAX_NEW = 6
-
-
-@pytest.fixture(scope="module")
-def demo():  # type: ignore[no-untyped-def]
-    from essa.adapters import SVDAdapter
-    from essa.backends.hf import load_model
-    from essa.config import AdapterConfig, ModelConfig
-    from essa.recipes.sft import make_lora_model
-
-    model, tokenizer = load_model(ModelConfig())
-    peft_model = make_lora_model(model, AdapterConfig(rank=4, lora_alpha=8))
-    gen = torch.Generator().manual_seed(1)
-    for name, param in peft_model.named_parameters():
-        if "lora_B" in name:
-            param.data = torch.randn(param.shape, generator=gen) * 0.05
-    adapter = SVDAdapter.from_peft_model(peft_model, alpha=1.0)
-    x = np.random.default_rng(0).normal(size=(4, adapter.dim)) * adapter.stds() * 3.0
-    x[0] = 0.0  # the SFT adapter itself: short, EOS-terminated answers
-    return peft_model.unload(), tokenizer, adapter, x
 
 
 def references(plain: list[str]) -> list[str | None]:
