@@ -60,7 +60,7 @@ def adapters(base: Any, seed: int = 0) -> tuple[Any, Any, Any, Any]:
     """(ESSA base model, SVDAdapter, unmerged PEFT model, merged model): one random rank-8 LoRA."""
     from essa.adapters import SVDAdapter
     from essa.config import AdapterConfig
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.sft import make_lora_model
 
     peft_model = make_lora_model(copy.deepcopy(base), AdapterConfig(rank=8, lora_alpha=16))
     gen = torch.Generator().manual_seed(seed)

@@ -78,7 +78,7 @@ def build(name: str, dtype: torch.dtype, device: torch.device, seed: int) -> tup
 
     from essa.adapters import SVDAdapter
     from essa.config import AdapterConfig
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.sft import make_lora_model
 
     hidden, inter, layers, heads, kv, vocab, tied = SHAPES[name]
     config = Qwen2Config(

@@ -46,9 +46,9 @@ def memory_worker(mode: str, model_path: str, steps: int, out: Path) -> None:
     from essa.backends.hf import load_model
     from essa.backends.memory import model_bytes, peak_rss_mb
     from essa.config import DataConfig, ModelConfig
-    from essa.recipes.common import load_task, render_prompts
-    from essa.recipes.lisa import grad_bytes, optimizer_state_bytes
-    from essa.recipes.sft import encode_sft_batch
+    from essa.data.task import load_task, render_prompts
+    from essa.gradient.lisa import grad_bytes, optimizer_state_bytes
+    from essa.gradient.sft import encode_sft_batch
 
     torch.manual_seed(0)
     model, tokenizer = load_model(ModelConfig(name_or_path=model_path, num_threads=1))
@@ -97,8 +97,8 @@ def _trainer(mode: str, model: Any) -> tuple[_Step, Any]:
     import torch
 
     from essa.config import AdapterConfig
-    from essa.recipes.lisa import LisaOptimizer, decoder_layers
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.lisa import LisaOptimizer, decoder_layers
+    from essa.gradient.sft import make_lora_model
 
     if mode == "lisa":
         lisa = LisaOptimizer(

@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     from essa.backends.hf import load_model
     from essa.config import AdapterConfig, EvaluationConfig, GenerationConfig, ModelConfig
     from essa.data.templates import render_prompt
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.sft import make_lora_model
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(ModelConfig(name_or_path=args.model))

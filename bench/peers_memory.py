@@ -70,7 +70,7 @@ def probe_load(config: Path, adapter: Path, out: Path) -> None:
     from essa.backends.hf import load_model
     from essa.backends.memory import peak_rss_mb
     from essa.config import load_config
-    from essa.recipes.common import load_peft_adapter
+    from essa.setup import load_peft_adapter
 
     cfg = load_config(config)
     model, tokenizer = load_model(cfg.model)

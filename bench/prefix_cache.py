@@ -59,7 +59,7 @@ def adapter_for(model: Any, rank: int = 8, seed: int = 0) -> tuple[Any, Any]:
     """The base model back, and a random rank-r LoRA (B != 0) on it in SVD form."""
     from essa.adapters import SVDAdapter
     from essa.config import AdapterConfig
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.sft import make_lora_model
 
     peft_model = make_lora_model(model, AdapterConfig(rank=rank, lora_alpha=2 * rank))
     gen = torch.Generator().manual_seed(seed)

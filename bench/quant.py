@@ -140,7 +140,7 @@ def in_process(model_path: str, repeats: int, shape: tuple[int, int]) -> dict[st
     from essa.backends.memory import model_bytes
     from essa.config import AdapterConfig, EvaluationConfig, GenerationConfig, ModelConfig
     from essa.data.arithmetic import arithmetic_examples
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.sft import make_lora_model
 
     hf_logging.disable_progress_bar()
     loaded = {m: load_model(ModelConfig(name_or_path=model_path, quantization=m)) for m in MODES}

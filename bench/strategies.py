@@ -48,7 +48,7 @@ def build(rank: int = 8, seed: int = 0) -> tuple[Any, Any, Any]:
     from essa.adapters import SVDAdapter
     from essa.backends.hf import load_model
     from essa.config import AdapterConfig, ModelConfig
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.sft import make_lora_model
 
     model, tokenizer = load_model(ModelConfig())
     peft_model = make_lora_model(model, AdapterConfig(rank=rank, lora_alpha=2 * rank))

@@ -73,7 +73,7 @@ class StepLog:
 def trl_arguments(cfg: Any, output_dir: Path) -> dict[str, Any]:
     """GRPOConfig keyword arguments equivalent to ``cfg.grpo`` (see the module docstring)."""
     from essa.errors import UserError
-    from essa.recipes import grpo_losses
+    from essa.gradient import losses as grpo_losses
 
     g = cfg.grpo
     if g.loss not in TRL_LOSSES:
@@ -153,11 +153,12 @@ def run(cfg: Any, run_dir: Path, console: Any = print) -> dict[str, Any]:
     from essa.backends.hf import load_model
     from essa.backends.memory import memory_metrics, model_bytes
     from essa.config import dump_config
-    from essa.recipes.common import load_or_train_adapter, load_task, seed_everything
+    from essa.data.task import load_task
     from essa.recipes.grpo import _Data
     from essa.rewards.base import DRAW_KEYS
     from essa.rewards.loading import load_reward
     from essa.rundir import MetricsLog, atomic_write_json
+    from essa.setup import load_or_train_adapter, seed_everything
 
     wall_start = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -70,7 +70,7 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
     from essa.config import load_config
     from essa.data.arithmetic import arithmetic_examples
     from essa.data.templates import render_prompt
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.sft import make_lora_model
 
     cfg = load_config(
         None,

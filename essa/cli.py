@@ -127,7 +127,7 @@ def _resolve(config: Path | None, overrides: list[str] | None) -> Config:
 def _check_before_load(cfg: Config, config: Path | None, overrides: list[str] | None) -> None:
     """What needs the tokenizer (data.template), checked before any model loads or anything is
     written; the error names where the key was set, as config errors do."""
-    from essa.recipes.common import check_prompt_template
+    from essa.data.task import check_prompt_template
 
     try:
         check_prompt_template(cfg)
@@ -241,8 +241,9 @@ def sft(
     RUN_DIR/sft_model.
     """
     from essa.backends.hf import load_model
-    from essa.recipes.common import load_or_train_adapter, load_task, seed_everything
+    from essa.data.task import load_task
     from essa.rundir import prepare_run_dir
+    from essa.setup import load_or_train_adapter, seed_everything
 
     _setup_logging()
     cfg = _resolve(config, set_)
@@ -259,7 +260,7 @@ def sft(
     task = load_task(cfg.data, cfg.run.seed)
     model, tokenizer = load_model(cfg.model)
     if cfg.sft.trainable != "lora":
-        from essa.recipes.lisa import train_base_model
+        from essa.gradient.lisa import train_base_model
 
         model_dir, losses = train_base_model(cfg, model, tokenizer, task, directory)
         typer.echo(f"SFT ({cfg.sft.trainable}): loss {losses[0]:.3f} -> {losses[-1]:.3f}")
@@ -300,8 +301,9 @@ def evaluate(
     off-task KL to the base (and SFT) model, update size, retention and pass@K (docs/drift.md).
     """
     from essa.backends.hf import load_model
+    from essa.data.task import load_task
     from essa.evaluation import check_heldout_answers, heldout_metric
-    from essa.recipes.common import load_task, seed_everything
+    from essa.setup import seed_everything
 
     _setup_logging()
     cfg = _resolve(config, set_)
@@ -325,11 +327,11 @@ def evaluate(
     if sft_adapter is not None and adapter is None:
         raise UserError("--sft-adapter: compares with --adapter, which is not given")
     model, tokenizer = load_model(cfg.model)
-    from essa.recipes.common import resolve_lengths
+    from essa.setup import resolve_lengths
 
     cfg, _ = resolve_lengths(cfg, tokenizer, task, lambda line: typer.echo(line, err=True))
     if adapter is not None:
-        from essa.recipes.common import load_peft_adapter
+        from essa.setup import load_peft_adapter
 
         model = load_peft_adapter(model, str(adapter), "--adapter").eval()
     metrics, items = _sample_metrics(cfg, model, tokenizer, task.test, samples, reward)
@@ -418,8 +420,8 @@ def _sample_metrics(
     from dataclasses import replace
 
     from essa.backends.hf import generate_texts
+    from essa.data.task import render_prompts
     from essa.metrics import sample_metrics
-    from essa.recipes.common import render_prompts
     from essa.rewards import extract_answer
     from essa.samples import item_records
 

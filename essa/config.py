@@ -168,7 +168,7 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    # auto: the longest reference answer in tokens, its stop token and a slack (essa.plan);
+    # auto: the longest reference answer in tokens, its stop token and a slack (essa.es.plan);
     # demo: 8 ("a+b=" answers)
     max_new_tokens: int | Literal["auto"] = "auto"
     temperature: float = 0.0  # 0 = greedy (the project default: all variation from parameters)
@@ -179,7 +179,7 @@ class GenerationConfig:
 
     @property
     def new_tokens(self) -> int:
-        """``max_new_tokens`` once resolved (``essa.plan.resolve_lengths`` turns auto into the
+        """``max_new_tokens`` once resolved (``essa.es.plan.resolve_lengths`` turns auto into the
         task's number before anything generates)."""
         if self.max_new_tokens == "auto":
             raise RuntimeError("generation.max_new_tokens is still auto: resolve it first")
@@ -233,7 +233,7 @@ class RunConfig:
     seed: int = 0  # 0 .. 2**32 - 1 (numpy's and vLLM's seeds are 32-bit)
     max_wall_seconds: float | None = None  # stop before a generation would end past this budget
     # ESSA (HF backend) with max_wall_seconds: size SFT, held-out checks, the scaled start and
-    # prompts per generation so that the search gets most of the budget (essa.plan)
+    # prompts per generation so that the search gets most of the budget (essa.es.plan)
     plan: bool = True
     show_progress: bool = True
     # Experiment trackers, any subset (none by default; [track] extra), all offline-safe.
@@ -288,7 +288,7 @@ GRPOLoss = Literal["grpo", "dr_grpo", "dapo", "ngrpo", "w_reinforce", "psr", "ns
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    """The gradient backend (algorithm: grpo); presets per loss in essa/recipes/grpo_losses.py."""
+    """The gradient backend (algorithm: grpo); presets per loss in essa/gradient/losses.py."""
 
     loss: GRPOLoss = "grpo"  # variant preset: advantages, normaliser, clip range, beta, filter
     group_size: int = 8  # G completions sampled per prompt

@@ -453,7 +453,7 @@ def _model_parts(
     test: Sequence[Example],
     reward: Any,
 ) -> dict[str, Any]:
-    from essa.recipes.common import render_prompts
+    from essa.data.task import render_prompts
 
     def render(examples: Sequence[Example]) -> list[str]:
         return render_prompts(examples, cfg.data.template, tokenizer, cfg.data.system_prompt)

@@ -256,7 +256,7 @@ class Reporter:
         self.interval = progress_interval() if interval is None else interval
         self.bar: Any = None  # one rich Progress for all open phases (rich allows one live view)
         self._open_phases = 0
-        # A budgeted run's plan (essa.plan): phase name -> planned seconds, and the seconds
+        # A budgeted run's plan (essa.es.plan): phase name -> planned seconds, and the seconds
         # the phases of that name actually took, for phases.jsonl and the summary.
         self.planned: dict[str, float] = {}
         self.actual: dict[str, float] = {}

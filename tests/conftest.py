@@ -299,7 +299,7 @@ def svd_setup(model_dir: Path) -> tuple[object, object, object]:
     from essa.adapters import SVDAdapter
     from essa.backends.hf import load_model
     from essa.config import AdapterConfig, ModelConfig
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.sft import make_lora_model
 
     model, tokenizer = load_model(ModelConfig(name_or_path=str(model_dir)))
     peft_model = make_lora_model(model, AdapterConfig(rank=4, lora_alpha=8))

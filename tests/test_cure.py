@@ -1,4 +1,4 @@
-"""CURE's first stage (essa/recipes/cure.py): the critical-token rule on hand-made logits, the
+"""CURE's first stage (essa/gradient/cure.py): the critical-token rule on hand-made logits, the
 branched rollout on the tiny in-process Qwen2, and `essa train` on the demo with exact resume."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from essa.config import Config, CureConfig, GRPOConfig
-from essa.recipes import cure
-from essa.recipes.grpo_policy import Policy, Rollout, token_logprobs
+from essa.gradient import cure
+from essa.gradient.policy import Policy, Rollout, token_logprobs
 from tests.conftest import grpo_cfg
 from tests.test_grpo_e2e import SMALL, lora_changed, records
 from tests.test_train_e2e import essa, sets

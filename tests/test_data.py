@@ -206,7 +206,7 @@ def test_split_examples() -> None:
 
 def test_train_size_keeps_the_first_training_examples_and_the_other_splits() -> None:
     from essa.config import DataConfig
-    from essa.recipes.common import load_task
+    from essa.data.task import load_task
 
     full = load_task(DataConfig(), seed=3)
     small = load_task(DataConfig(train_size=7), seed=3)

@@ -21,7 +21,7 @@ def demo():  # type: ignore[no-untyped-def]
     from essa.adapters import SVDAdapter
     from essa.backends.hf import load_model
     from essa.config import AdapterConfig, ModelConfig
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.sft import make_lora_model
 
     model, tokenizer = load_model(ModelConfig())
     peft_model = make_lora_model(model, AdapterConfig(rank=4, lora_alpha=8))
@@ -133,7 +133,7 @@ def test_peft_wrapped_models_keep_generate(demo) -> None:  # type: ignore[no-unt
 
     from essa.backends.decode import supports_row_dropping
     from essa.config import AdapterConfig
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.sft import make_lora_model
 
     model = demo[0]
     assert supports_row_dropping(model)

@@ -22,7 +22,7 @@ def lora_model(model_dir: Path) -> tuple[Any, Any]:
     """(peft_model, tokenizer): the tiny model with a rank-4 LoRA whose B is non-zero."""
     from essa.backends.hf import load_model
     from essa.config import AdapterConfig, ModelConfig
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.sft import make_lora_model
 
     model, tokenizer = load_model(ModelConfig(name_or_path=str(model_dir)))
     peft_model = make_lora_model(model, AdapterConfig(rank=4, lora_alpha=8)).eval()

@@ -171,7 +171,7 @@ def test_bundled_gguf_header_has_the_chat_template_and_chatml_tokens(
     """SmolLM2's GGUF passes chat and ChatML templates from its header, without converting."""
     from essa.backends import gguf_cache
     from essa.config import load_config
-    from essa.recipes.common import check_prompt_template
+    from essa.data.task import check_prompt_template
     from tests.test_gguf import smollm2_dir
 
     if smollm2_dir() is None:

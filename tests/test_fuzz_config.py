@@ -368,7 +368,7 @@ LINES = st.one_of(
 
 
 def load_rows(name: str, content: bytes) -> tuple[int, str]:
-    from essa.recipes.common import load_task
+    from essa.data.task import load_task
 
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / name

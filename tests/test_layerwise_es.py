@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from essa.adapters.layerwise import layer_blocks
+from essa.adapters.blocks import layer_blocks
 from essa.optimizers import Optimizer
 from essa.optimizers.layerwise import LayerwiseES, active_layers, block_seed
 
@@ -136,7 +136,7 @@ def test_schedule_and_constructor_validate_their_inputs() -> None:
 
 
 def test_layer_of_reads_the_decoder_layer_index() -> None:
-    from essa.adapters.layerwise import layer_of
+    from essa.adapters.blocks import layer_of
 
     assert layer_of("model.layers.12.self_attn.q_proj") == 12
     assert layer_of("lm_head") is None

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from essa.optimizers.layerwise import active_layers
-from essa.recipes.lisa import (
+from essa.gradient.lisa import (
     LisaOptimizer,
     decoder_layers,
     grad_bytes,
     optimizer_state_bytes,
     persistent_params,
 )
+from essa.optimizers.layerwise import active_layers
 
 NUM_LAYERS = 6
 

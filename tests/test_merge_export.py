@@ -115,7 +115,7 @@ def test_merged_model_stops_where_generation_stops(tiny_model_dir: Path, tmp_pat
     from essa.backends.hf import load_model
     from essa.backends.stops import stop_token_ids
     from essa.config import AdapterConfig, load_config
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.sft import make_lora_model
 
     model_dir = tmp_path / "chat-model"
     shutil.copytree(tiny_model_dir, model_dir)

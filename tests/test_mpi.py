@@ -239,7 +239,7 @@ def test_scale_baseline_on_a_rank_without_factors(tiny_model_dir: Path, reward: 
     one candidate's log-probs behind, its choice is still the one-rank run's."""
     from essa.backends.evaluator import PopulationEvaluator
     from essa.config import EvaluationConfig, GenerationConfig
-    from essa.recipes.baselines import scale_baseline
+    from essa.es.start import scale_baseline
     from essa.rewards import get_reward
     from essa.types import Example
     from tests.conftest import svd_setup

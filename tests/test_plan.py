@@ -1,4 +1,4 @@
-"""The budget plan (essa.plan): lengths from the data, phases sized to run.max_wall_seconds, a
+"""The budget plan (essa.es.plan): lengths from the data, phases sized to run.max_wall_seconds, a
 budget too small refused before SFT, SFT's time limit and loss check, and the plan kept across
 a resume. Pure sizing on hand-made costs; the rest on the demo model through the real CLI."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from essa.config import load_config
 from essa.errors import UserError
-from essa.plan import (
+from essa.es.plan import (
     CHECKS_SHARE,
     MIN_PROMPT_SHARE,
     SFT_SHARE,
@@ -156,7 +156,7 @@ def _sft_setup():  # type: ignore[no-untyped-def]
     from essa.backends.hf import load_model
     from essa.config import AdapterConfig, ModelConfig
     from essa.data.loaders import builtin_examples
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.sft import make_lora_model
 
     model, tokenizer = load_model(ModelConfig())
     peft_model = make_lora_model(model, AdapterConfig())
@@ -166,7 +166,7 @@ def _sft_setup():  # type: ignore[no-untyped-def]
 
 def test_sft_time_limit_cuts_the_schedule_so_the_rate_still_decays() -> None:
     from essa.config import SFTConfig
-    from essa.recipes.sft import SFTLimit, train_sft
+    from essa.gradient.sft import SFTLimit, train_sft
 
     peft_model, tokenizer, examples, prompts = _sft_setup()
     rates: list[float] = []
@@ -187,7 +187,7 @@ def test_sft_time_limit_cuts_the_schedule_so_the_rate_still_decays() -> None:
 
 def test_sft_stops_when_its_check_loss_stops_improving() -> None:
     from essa.config import SFTConfig
-    from essa.recipes.sft import SFTLimit, train_sft
+    from essa.gradient.sft import SFTLimit, train_sft
 
     peft_model, tokenizer, examples, prompts = _sft_setup()
     # lr 0: the loss cannot improve, so the check stops SFT after patience + 1 checks.

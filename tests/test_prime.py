@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from essa.config import ConfigError, load_config
-from essa.recipes import grpo_losses as losses
-from essa.recipes.prime import (
+from essa.gradient import losses
+from essa.gradient.prime import (
     implicit_token_rewards,
     leave_one_out,
     masked_whiten,

@@ -281,7 +281,7 @@ def test_train_with_prm_reward_on_demo(tmp_path: Path, token_prm: Path, recipe: 
 
 
 # ---------------------------------------------------------------------------------------------
-# grpo.prm_credit: step (essa/recipes/prm_credit.py), by hand
+# grpo.prm_credit: step (essa/gradient/prm_credit.py), by hand
 
 
 def test_step_returns_by_hand_and_their_first_is_the_reward_value() -> None:
@@ -304,7 +304,7 @@ def test_step_returns_by_hand_and_their_first_is_the_reward_value() -> None:
 
 
 def test_token_steps_and_char_ends_on_a_real_tokenizer() -> None:
-    from essa.recipes.prm_credit import char_ends, token_steps
+    from essa.gradient.prm_credit import char_ends, token_steps
 
     tokenizer = build_char_tokenizer()
     text = "1+1=2 2+2=5"
@@ -318,8 +318,8 @@ def test_token_steps_and_char_ends_on_a_real_tokenizer() -> None:
 
 
 def test_step_credit_on_a_rollout_by_hand() -> None:
-    from essa.recipes.grpo_policy import Rollout
-    from essa.recipes.prm_credit import step_credit
+    from essa.gradient.policy import Rollout
+    from essa.gradient.prm_credit import step_credit
 
     tokenizer = build_char_tokenizer()
     texts = ["1+1=2 2+2=5", "3+3=6"]

@@ -42,7 +42,7 @@ RTOL = {"int4": 1e-4, "int8": 1e-3}
 
 def _lora_on(model, seed: int = 1):  # type: ignore[no-untyped-def]
     """A PEFT LoRA on q/k/v/o with random non-zero B (a trained adapter's B is not zero)."""
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.sft import make_lora_model
 
     peft_model = make_lora_model(model, AdapterConfig(rank=4, lora_alpha=8))
     gen = torch.Generator().manual_seed(seed)
@@ -164,7 +164,7 @@ def test_qlora_sft_after_no_grad_eval(tiny_model_dir: Path, mode: str, repacked:
     train_sft must undo it. Elsewhere that case runs like the first.
     """
     from essa.backends.hf import load_model
-    from essa.recipes.sft import make_lora_model, train_sft
+    from essa.gradient.sft import make_lora_model, train_sft
     from essa.types import Example
 
     model, tokenizer = load_model(ModelConfig(name_or_path=str(tiny_model_dir), quantization=mode))

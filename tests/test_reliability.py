@@ -427,7 +427,7 @@ def test_pickled_model_weights_never_run_code(tiny_model_dir: Path, tmp_path: Pa
 
 def test_pickled_adapter_never_runs_code(tiny_model_dir: Path, tmp_path: Path) -> None:
     from essa.backends.hf import load_model
-    from essa.recipes.common import load_peft_adapter
+    from essa.setup import load_peft_adapter
 
     adapter_dir = tmp_path / "adapter"
     adapter_dir.mkdir()
@@ -543,9 +543,9 @@ class _StubEvaluator:
 def test_failed_candidates_get_nan_fitness_and_are_counted() -> None:
     from essa.config import Config
     from essa.dist import get_comm
-    from essa.recipes.fitness import fault_counts as _fault_counts
-    from essa.recipes.fitness import generation_record as _generation_record
-    from essa.recipes.fitness import shard_fitness as _fitness
+    from essa.es.generation import fault_counts as _fault_counts
+    from essa.es.generation import generation_record as _generation_record
+    from essa.es.generation import shard_fitness as _fitness
     from essa.rewards import Reward
     from essa.types import Example
 

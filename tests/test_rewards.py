@@ -20,7 +20,7 @@ from essa.rewards import (
     last_boxed,
     normalize_gold,
 )
-from essa.rewards.shaping import cosine_length_value, soft_overlong_penalty
+from essa.rewards.formatting import cosine_length_value, soft_overlong_penalty
 from essa.rewards.verify_worker import VerifyWorkers
 
 # (completion, extracted answer or None)

@@ -100,7 +100,7 @@ def test_eval_pass_at_1_counts_full_credit_and_mean_score_keeps_partial() -> Non
     from essa.backends.hf import load_model
     from essa.cli import _sample_metrics
     from essa.config import load_config
-    from essa.recipes.common import load_task
+    from essa.data.task import load_task
 
     cfg = load_config(None, ["data.test_size=4", "generation.max_new_tokens=2"])
     model, tokenizer = load_model(cfg.model)

@@ -134,7 +134,7 @@ def test_noisy_flips_a_group_at_its_key() -> None:
 def shard_scores(reward: object, span: range) -> list[list[float | None]]:
     """ESSA's per-candidate scores of population slice ``span`` (as one rank computes them)
     on 3 prompts (training-set indices 5, 1, 8) x 2 samples in generation 3."""
-    from essa.recipes.fitness import GENERATION_SITE, draw_keys
+    from essa.es.generation import GENERATION_SITE, draw_keys
     from essa.rewards.fitness import candidate_scores
 
     prompts, answers, k = ["1+1=", "2+2=", "3+3="], ["2", "4", "6"], 2

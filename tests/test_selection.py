@@ -1,4 +1,4 @@
-"""The informative-prompt rules (essa/recipes/selection.py) on hand-made histories.
+"""The informative-prompt rules (essa/data/selection.py) on hand-made histories.
 
 GRESO's skip probability, its adaptation and the refilled draw; Scaf-GRPO's hint tiers and
 hint text; every expected number below is worked out by hand in the comments.
@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from essa.config import DataConfig, HintConfig, SelectionConfig, load_config
-from essa.recipes.fitness import prompt_values
-from essa.recipes.selection import (
+from essa.data.selection import (
     Informative,
     PromptRecord,
     adapt_rate,
@@ -24,6 +23,7 @@ from essa.recipes.selection import (
     update,
     visit_kind,
 )
+from essa.es.generation import prompt_values
 from essa.types import Example
 
 GRESO = SelectionConfig(name="greso")

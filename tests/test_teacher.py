@@ -105,7 +105,7 @@ def test_references_forced_in_the_prefill_match_a_separate_pass(
 
 
 def test_reference_term_and_signal_metrics_by_hand() -> None:
-    from essa.recipes.fitness import reference_term, signal_metrics
+    from essa.es.generation import reference_term, signal_metrics
 
     dense = reference_term([[[-1.0, -3.0], [-2.0]], [[-0.5, -0.5], []], [[], []]])
     assert dense[:2].tolist() == [-2.0, -0.5] and np.isnan(dense[2])
@@ -116,7 +116,7 @@ def test_reference_term_and_signal_metrics_by_hand() -> None:
 
 
 def test_reward_is_flat_follows_hansens_rule_by_hand() -> None:
-    from essa.recipes.fitness import reward_is_flat
+    from essa.es.generation import reward_is_flat
 
     # P = 10: flat when the best equals the ceil(0.7 * 10) = 7th best.
     assert reward_is_flat(np.array([0.5] * 7 + [0.0] * 3))

@@ -120,8 +120,8 @@ def equivalence(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from essa.backends.evaluator import PopulationEvaluator
     from essa.backends.hf import load_model
     from essa.data.loaders import builtin_examples
-    from essa.recipes.baselines import scale_vector
-    from essa.recipes.sft import make_lora_model, save_adapter
+    from essa.es.start import scale_vector
+    from essa.gradient.sft import make_lora_model, save_adapter
 
     tmp = tmp_path_factory.mktemp("vllm-eq")
     cfg = load_config(None, [f"generation.max_new_tokens={MAX_NEW_TOKENS}"])

@@ -74,7 +74,7 @@ def save_lora(model_dir: Path, out: Path, *, trained: bool):  # type: ignore[no-
     from essa.adapters import SVDAdapter
     from essa.backends.hf import load_model
     from essa.config import AdapterConfig, ModelConfig
-    from essa.recipes.sft import make_lora_model
+    from essa.gradient.sft import make_lora_model
 
     model, _ = load_model(ModelConfig(name_or_path=str(model_dir)))
     peft_model = make_lora_model(model, AdapterConfig(rank=K, lora_alpha=8))
@@ -119,8 +119,8 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_zero_singular_values_stay_put_and_the_rest_is_searched(partly_zero, name: str) -> None:  # type: ignore[no-untyped-def]
     """Relative steps search the non-zero values only; the state resumes exactly."""
+    from essa.es.optimizer import make_es_optimizer
     from essa.optimizers.subspace import Subspace
-    from essa.recipes.common import make_es_optimizer
 
     _, adapter = partly_zero
     cfg = load_config(None, ["optimizer.population_size=4", *OPTIMIZERS[name]])
@@ -141,7 +141,7 @@ def test_zero_singular_values_stay_put_and_the_rest_is_searched(partly_zero, nam
 
 
 def test_flat_reward_widens_sigma_around_fixed_values(partly_zero) -> None:  # type: ignore[no-untyped-def]
-    from essa.recipes.common import make_es_optimizer
+    from essa.es.optimizer import make_es_optimizer
     from essa.recipes.essa_es import _tell
 
     _, adapter = partly_zero

@@ -47,7 +47,7 @@ def generation_config(gen: GenerationConfig, tokenizer: Any, model_config: Any =
         do_sample=sampling,
         temperature=gen.temperature if sampling else None,
         top_p=gen.top_p if sampling else None,
-        # auto is resolved per run (essa.plan): the run's summary holds the number it used
+        # auto is resolved per run (essa.es.plan): the run's summary holds the number it used
         max_new_tokens=gen.max_new_tokens if isinstance(gen.max_new_tokens, int) else None,
         eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id,

@@ -30,7 +30,6 @@ from essa.backends.cache import (
     place_prefix,
     unwindowed_cache,
 )
-from essa.backends.cache import has_plain_dynamic_cache as has_plain_dynamic_cache  # re-export
 from essa.backends.decode import (
     NonFiniteGuard,
     decode_rows,

@@ -10,7 +10,7 @@ loss (:func:`dpo_loss`); log and checkpoint. Held-out accuracy is greedy on the 
 split, every ``evaluation.every`` steps, as in GRPO. Formulas: docs/dpo-scalebio.md.
 
 Trainable sets (``dpo.trainable``): ``lora`` continues the SFT adapter's LoRA factors; ``lisa``
-merges the SFT LoRA and trains the base weights with LISA (essa/recipes/lisa.py), the reference
+merges the SFT LoRA and trains the base weights with LISA (essa/gradient/lisa.py), the reference
 being a frozen copy of the merged weights. Both reuse GRPO's :class:`Policy`.
 
 Deviations from the paper and project choices:
@@ -39,14 +39,14 @@ from essa import seeding
 from essa.config import Config, DPOConfig, to_dict
 from essa.dist import Comm
 from essa.errors import UserError
+from essa.gradient.policy import Policy, Rollout, rollout, select, token_logprobs
 from essa.harness import Harness, Phase
 from essa.recipes import grpo
-from essa.recipes.grpo_policy import Policy, Rollout, rollout, select, token_logprobs
 from essa.rewards.base import DRAW_KEYS, Reward, score
 from essa.types import Example, PreferencePair
 
 if TYPE_CHECKING:
-    from essa.recipes.lisa import LisaOptimizer
+    from essa.gradient.lisa import LisaOptimizer
 
 
 def run(
@@ -58,14 +58,15 @@ def run(
     comm: Comm | None = None,
 ) -> dict[str, Any]:
     """Train with DPO; return the summary (also in summary.json)."""
+    from essa import setup
     from essa.backends.memory import model_bytes
-    from essa.recipes import common
+    from essa.data.task import load_task, render_prompts
     from essa.rewards.loading import load_reward
 
-    h = common.one_process_harness(cfg, run_dir, resume=resume, console=console, comm=comm)
+    h = setup.one_process_harness(cfg, run_dir, resume=resume, console=console, comm=comm)
     d = cfg.dpo
-    common.seed_everything(cfg.run.seed)
-    task = common.load_task(cfg.data, cfg.run.seed)
+    setup.seed_everything(cfg.run.seed)
+    task = load_task(cfg.data, cfg.run.seed)
     h.check_heldout(task.test)  # before the model loads
     pairs = _load_pairs(d.pairs) if d.pairs else None
     reward = (
@@ -76,10 +77,10 @@ def run(
         )
     )
     with h:
-        model, tokenizer = common.load_base_model(cfg, h)
-        cfg, _ = common.resolve_lengths(cfg, tokenizer, task, h.say)
+        model, tokenizer = setup.load_base_model(cfg, h)
+        cfg, _ = setup.resolve_lengths(cfg, tokenizer, task, h.say)
         base_bytes = model_bytes(model)
-        peft_model, sft_dir = common.load_or_train_adapter(
+        peft_model, sft_dir = setup.load_or_train_adapter(
             cfg, model, tokenizer, task, run_dir, h.reporter
         )
         policy = Policy.build(peft_model, d.trainable, cfg.adapter.alpha, use_reference=True)
@@ -88,7 +89,7 @@ def run(
         pair_prompts = None
         if pairs is not None:
             questions = [Example(prompt=p.prompt) for p in pairs]
-            pair_prompts = common.render_prompts(
+            pair_prompts = render_prompts(
                 questions, cfg.data.template, tokenizer, cfg.data.system_prompt
             )
         state = grpo._load_checkpoint(run_dir, policy, optimizer) if resume else None
@@ -156,7 +157,7 @@ def _make_optimizer(cfg: Config, policy: Policy) -> Any:
     d = cfg.dpo
     if d.trainable != "lisa":
         return torch.optim.AdamW(policy.params, lr=d.lr, weight_decay=d.weight_decay)
-    from essa.recipes.lisa import LisaOptimizer
+    from essa.gradient.lisa import LisaOptimizer
 
     return LisaOptimizer(
         policy.model,

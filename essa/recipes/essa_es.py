@@ -31,10 +31,8 @@ import numpy as np
 
 from essa.config import Config
 from essa.dist import Comm
-from essa.harness import Harness, Phase, read_json_checkpoint, write_json_checkpoint
-from essa.protocols import Evaluator, Optimizer
-from essa.recipes.budget import Budget
-from essa.recipes.fitness import (
+from essa.es.budget import Budget
+from essa.es.generation import (
     check_generation,
     fault_counts,
     fault_delta,
@@ -43,14 +41,16 @@ from essa.recipes.fitness import (
     shard_fitness,
     track_best,
 )
+from essa.harness import Harness, Phase, read_json_checkpoint, write_json_checkpoint
+from essa.protocols import Evaluator, Optimizer
 from essa.rewards.base import Reward
 from essa.rewards.logprob import COMPLETION_LOGPROBS
 from essa.types import AdapterVector, Example, Fitness, Population
 
 if TYPE_CHECKING:
     from essa.adapters.svd import SVDAdapter
-    from essa.recipes.common import Task
-    from essa.recipes.selection import Informative
+    from essa.data.selection import Informative
+    from essa.data.task import Task
 
 Heldout = Callable[..., float]  # (vector, name=..., generation=..., final=...) -> score
 
@@ -68,30 +68,32 @@ def run(
     Under MPI every rank calls this; rank 0 alone prints, writes the run directory and returns
     the summary (the others return ``{}``).
     """
+    from essa import setup
     from essa.backends import population_evaluator
     from essa.backends.memory import memory_metrics, model_bytes
+    from essa.data.task import load_task, render_splits
     from essa.dist import get_comm
-    from essa.recipes import common
+    from essa.es.optimizer import check_searchable
     from essa.rewards.loading import check_vote_size, es_reward_inputs, load_reward
 
     h = Harness(cfg, run_dir, resume=resume, console=console, comm=comm or get_comm())
-    common.seed_everything(cfg.run.seed)
-    task = common.load_task(cfg.data, cfg.run.seed)
+    setup.seed_everything(cfg.run.seed)
+    task = load_task(cfg.data, cfg.run.seed)
     h.check_heldout(task.test)  # before the model loads
     vllm = cfg.backend == "vllm"  # it returns the sampled tokens' log-probs, not the reference's
     reward = load_reward(cfg.reward, recipe="ESSA", **es_reward_inputs(cfg))
     check_vote_size(cfg, reward)
     with h:  # the trackers close whatever happens
-        model, tokenizer = common.load_base_model(cfg, h)
+        model, tokenizer = setup.load_base_model(cfg, h)
         base_bytes = model_bytes(model)  # the base weights as stored (quantised ones packed)
-        cfg, lengths = common.resolve_lengths(cfg, tokenizer, task, h.say)
-        train_prompts, test_prompts = common.render_splits(task, cfg.data, tokenizer)
+        cfg, lengths = setup.resolve_lengths(cfg, tokenizer, task, h.say)
+        train_prompts, test_prompts = render_splits(task, cfg.data, tokenizer)
         budget = Budget.start(cfg, h, resume, lengths, model, tokenizer, task, train_prompts)
-        peft_model, sft_dir = common.adapter_on_every_rank(
+        peft_model, sft_dir = setup.adapter_on_every_rank(
             cfg, model, tokenizer, task, h, budget.sft_limit(cfg, tokenizer, task)
         )
-        adapter = common.svd_adapter(peft_model, cfg.adapter.alpha)
-        common.check_searchable(cfg, adapter, sft_dir)  # before the baseline passes
+        adapter = setup.svd_adapter(peft_model, cfg.adapter.alpha)
+        check_searchable(cfg, adapter, sft_dir)  # before the baseline passes
         base = None if vllm else peft_model.unload()  # the engine loads its own copy of the base
         del model, peft_model
         evaluator = population_evaluator(cfg, base, tokenizer, adapter, h.comm.world_size)
@@ -228,13 +230,13 @@ def _tell(
 
 def _informative(cfg: Config, tokenizer: Any, state: dict[str, Any] | None) -> Informative | None:
     """The per-prompt history of data.selection / data.hints (None when both are off)."""
-    from essa.recipes import common
-    from essa.recipes.selection import Informative
+    from essa.data.selection import Informative
+    from essa.data.task import render_prompts
 
     d = cfg.data
 
     def render(examples: list[Example]) -> list[str]:
-        return common.render_prompts(examples, d.template, tokenizer, d.system_prompt)
+        return render_prompts(examples, d.template, tokenizer, d.system_prompt)
 
     rows = cfg.optimizer.population_size * cfg.generation.samples_per_prompt
     return Informative.build(d, cfg.run.seed, rows, render, state)
@@ -253,7 +255,7 @@ def _initial_state(
 ) -> dict[str, Any]:
     """Fresh-run state: the SFT adapter's held-out accuracy and the no-search baseline (and,
     in a budgeted run, the plan re-made with the baseline pass's measured cost)."""
-    from essa.recipes.baselines import scale_baseline, scale_rows
+    from essa.es.start import scale_baseline, scale_rows
 
     start = time.perf_counter()
     state: dict[str, Any] = {
@@ -317,12 +319,12 @@ def _save_checkpoint(run_dir: Path, opt: Optimizer, state: dict[str, Any]) -> No
 def _optimizer(cfg: Config, adapter: SVDAdapter, scale: dict[str, Any] | None) -> Optimizer:
     """The run's optimizer; with ``optimizer.start: scale_baseline`` its mean starts at the scale
     baseline's factor (``scale``, None when it did not run or failed: the SFT adapter)."""
-    from essa.recipes import common
-    from essa.recipes.baselines import scale_vector
+    from essa.es.optimizer import make_es_optimizer
+    from essa.es.start import scale_vector
 
     if cfg.optimizer.start == "scale_baseline" and scale is not None:
-        return common.make_es_optimizer(cfg, adapter, x0=scale_vector(adapter, scale["factor"]))
-    return common.make_es_optimizer(cfg, adapter)
+        return make_es_optimizer(cfg, adapter, x0=scale_vector(adapter, scale["factor"]))
+    return make_es_optimizer(cfg, adapter)
 
 
 def _start_note(cfg: Config, scale: dict[str, Any] | None) -> str:

@@ -6,18 +6,18 @@ variant's group advantages (resampling away degenerate groups when the variant f
 take ``grpo.num_iterations`` AdamW steps on the variant's clipped surrogate (+ beta * k3 KL to
 the frozen SFT adapter, − ``grpo.entropy.coef`` * mean token entropy); log and checkpoint.
 Optional, all off by default (docs/grpo-rlep-entropy.md): RLEP replay (``grpo.replay``: stored
-successes join their prompt's group, essa/recipes/grpo_replay.py), an ERA-style entropy floor on
+successes join their prompt's group, essa/gradient/replay.py), an ERA-style entropy floor on
 the logits (``grpo.entropy.floor``), a staged temperature (``grpo.temperature_schedule``) and a
 training subset (``grpo.train_examples``, 1-shot RLVR). Held-out accuracy is greedy, on the same fixed test
 split as ESSA, every ``evaluation.every`` steps, and never feeds back into training.
-Formulas and presets, with their papers: essa/recipes/grpo_losses.py.
-With ``grpo.cure.use_branching``, CURE's first stage (essa/recipes/cure.py, docs/cure.md) fills
+Formulas and presets, with their papers: essa/gradient/losses.py.
+With ``grpo.cure.use_branching``, CURE's first stage (essa/gradient/cure.py, docs/cure.md) fills
 each group with originals and their branches from high-entropy critical tokens.
 
 Trainable sets (``grpo.trainable``): ``lora`` continues training the SFT adapter's LoRA
 factors; ``singular_values`` trains only offsets to the SFT singular values, in exactly ESSA's
 search space (SVD-GRPO), and exports through the same SVD adapter; ``lisa`` merges the SFT LoRA
-into the base and trains the base weights with LISA (essa/recipes/lisa.py: embedding, head and
+into the base and trains the base weights with LISA (essa/gradient/lisa.py: embedding, head and
 ``grpo.lisa.active_layers`` sampled blocks, re-sampled every ``grpo.lisa.interval`` optimizer
 steps), exporting the whole model. There is no full-weight mode (``full``) in GRPO.
 
@@ -35,9 +35,9 @@ Deviations from the papers:
   adaptive over-sampling; ``data.hints`` uses reference-solution prefixes as Scaf-GRPO's tiers
   (docs/informative-prompts.md);
 * ``grpo.prime`` (PRIME) swaps the variant's group advantages for token advantages from an
-  implicit PRM; its own deviations are listed in essa/recipes/prime.py;
+  implicit PRM; its own deviations are listed in essa/gradient/prime.py;
 * ``grpo.prm_credit: step`` adds each token's PRM step value minus the whole completion's to
-  the group advantage (our form of PURE's min-form credit; essa/recipes/prm_credit.py), not
+  the group advantage (our form of PURE's min-form credit; essa/gradient/prm_credit.py), not
   PURE's own advantage estimator.
 """
 
@@ -57,20 +57,18 @@ from essa import seeding
 from essa.config import Config, to_dict
 from essa.dist import Comm
 from essa.errors import UserError
+from essa.gradient import cure, losses, replay
+from essa.gradient.policy import Policy, Rollout, merge, rollout, select, token_logprobs
+from essa.gradient.prm_credit import step_credit
 from essa.harness import Harness, Phase
-from essa.recipes import cure
-from essa.recipes import grpo_losses as losses
-from essa.recipes import grpo_replay as replay
-from essa.recipes.grpo_policy import Policy, Rollout, merge, rollout, select, token_logprobs
-from essa.recipes.prm_credit import step_credit
 from essa.rewards.base import DRAW_KEYS, DrawKey, Reward, score
 from essa.rundir import atomic_dir, recover, storage_error
 from essa.types import Example
 
 if TYPE_CHECKING:
-    from essa.recipes.common import Task
-    from essa.recipes.prime import ImplicitPRM
-    from essa.recipes.selection import Informative
+    from essa.data.selection import Informative
+    from essa.data.task import Task
+    from essa.gradient.prime import ImplicitPRM
 
 MAX_SAMPLING_ROUNDS = 4  # prompt batches drawn per step at most when groups are filtered
 
@@ -84,15 +82,16 @@ def run(
     comm: Comm | None = None,
 ) -> dict[str, Any]:
     """Train with the configured GRPO variant; return the summary (also in summary.json)."""
+    from essa import setup
     from essa.backends.memory import model_bytes
-    from essa.recipes import common
+    from essa.data.task import load_task
     from essa.rewards.loading import load_reward
 
-    h = common.one_process_harness(cfg, run_dir, resume=resume, console=console, comm=comm)
+    h = setup.one_process_harness(cfg, run_dir, resume=resume, console=console, comm=comm)
     g = cfg.grpo
     variant = losses.get_variant(g.loss)
-    common.seed_everything(cfg.run.seed)
-    task = common.load_task(cfg.data, cfg.run.seed)
+    setup.seed_everything(cfg.run.seed)
+    task = load_task(cfg.data, cfg.run.seed)
     h.check_heldout(task.test)  # before the model loads
     # Group rewards work as is: each prompt's G completions come in one call.
     reward = load_reward(
@@ -104,10 +103,10 @@ def run(
             "reward (its score depends on the other completions); use a verifiable reward"
         )
     with h:  # the trackers close whatever happens
-        model, tokenizer = common.load_base_model(cfg, h)
-        cfg, _ = common.resolve_lengths(cfg, tokenizer, task, h.say)
+        model, tokenizer = setup.load_base_model(cfg, h)
+        cfg, _ = setup.resolve_lengths(cfg, tokenizer, task, h.say)
         base_bytes = model_bytes(model)  # the base weights as stored, as ESSA reports them
-        peft_model, sft_dir = common.load_or_train_adapter(
+        peft_model, sft_dir = setup.load_or_train_adapter(
             cfg, model, tokenizer, task, run_dir, h.reporter
         )
         policy = Policy.build(peft_model, g.trainable, cfg.adapter.alpha, _beta(cfg) != 0.0)
@@ -194,8 +193,8 @@ def _beta(cfg: Config) -> float:
 
 
 def _implicit_prm(cfg: Config, policy: Policy) -> ImplicitPRM | None:
-    """PRIME's implicit PRM (grpo.prime; essa/recipes/prime.py), None when off."""
-    from essa.recipes.prime import ImplicitPRM
+    """PRIME's implicit PRM (grpo.prime; essa/gradient/prime.py), None when off."""
+    from essa.gradient.prime import ImplicitPRM
 
     return ImplicitPRM.build(cfg, policy)
 
@@ -205,7 +204,7 @@ def _make_optimizer(cfg: Config, policy: Policy) -> Any:
     g = cfg.grpo
     if g.trainable != "lisa":
         return torch.optim.AdamW(policy.params, lr=g.lr, weight_decay=g.weight_decay)
-    from essa.recipes.lisa import LisaOptimizer
+    from essa.gradient.lisa import LisaOptimizer
 
     return LisaOptimizer(
         policy.model,
@@ -233,7 +232,7 @@ class _Data:
 
     @classmethod
     def build(cls, task: Task, cfg: Config, tokenizer: Any) -> _Data:
-        from essa.recipes.common import render_splits
+        from essa.data.task import render_splits
 
         train_prompts, test_prompts = render_splits(task, cfg.data, tokenizer)
         n = cfg.grpo.train_examples  # 1-shot RLVR: the first training prompt only
@@ -242,8 +241,8 @@ class _Data:
 
 def _informative(cfg: Config, tokenizer: Any, state: dict[str, Any] | None) -> Informative | None:
     """The per-prompt history of data.selection / data.hints (None when both are off)."""
-    from essa.recipes.common import render_prompts
-    from essa.recipes.selection import Informative
+    from essa.data.selection import Informative
+    from essa.data.task import render_prompts
 
     d = cfg.data
 

@@ -48,15 +48,15 @@ from essa import seeding
 from essa.config import Config, to_dict
 from essa.dist import Comm
 from essa.errors import UserError
+from essa.gradient.policy import Policy
 from essa.harness import Harness
 from essa.recipes import grpo
-from essa.recipes.grpo_policy import Policy
 from essa.rundir import atomic_dir, recover, storage_error
 from essa.types import Example
 
 if TYPE_CHECKING:
-    from essa.recipes.common import Task
-    from essa.recipes.lisa import LisaOptimizer
+    from essa.data.task import Task
+    from essa.gradient.lisa import LisaOptimizer
 
 
 def run(
@@ -68,17 +68,18 @@ def run(
     comm: Comm | None = None,
 ) -> dict[str, Any]:
     """Train with ScaleBiO; return the summary (also in summary.json)."""
+    from essa import setup
     from essa.backends.memory import model_bytes
-    from essa.recipes import common
+    from essa.data.task import load_task
 
-    h = common.one_process_harness(cfg, run_dir, resume=resume, console=console, comm=comm)
-    common.seed_everything(cfg.run.seed)
-    task = common.load_task(cfg.data, cfg.run.seed)
+    h = setup.one_process_harness(cfg, run_dir, resume=resume, console=console, comm=comm)
+    setup.seed_everything(cfg.run.seed)
+    task = load_task(cfg.data, cfg.run.seed)
     h.check_heldout(task.test)
     sources = load_sources(cfg, task)  # before the model loads
     with h:
-        model, tokenizer = common.load_base_model(cfg, h)
-        cfg, _ = common.resolve_lengths(cfg, tokenizer, task, h.say)
+        model, tokenizer = setup.load_base_model(cfg, h)
+        cfg, _ = setup.resolve_lengths(cfg, tokenizer, task, h.say)
         base_bytes = model_bytes(model)
         models = _Models.build(cfg, model)
         data = _Data.build(cfg, task, sources, tokenizer)
@@ -174,7 +175,7 @@ class _Data:
     def build(
         cls, cfg: Config, task: Task, sources: dict[str, list[Example]], tokenizer: Any
     ) -> _Data:
-        from essa.recipes.common import render_prompts
+        from essa.data.task import render_prompts
 
         def render(examples: Sequence[Example]) -> list[str]:
             return render_prompts(examples, cfg.data.template, tokenizer, cfg.data.system_prompt)
@@ -201,7 +202,7 @@ class _Models:
 
     @classmethod
     def build(cls, cfg: Config, model: Any) -> _Models:
-        from essa.recipes.lisa import LisaOptimizer
+        from essa.gradient.lisa import LisaOptimizer
 
         s = cfg.scalebio
         models = [model.eval(), copy.deepcopy(model).eval()]
@@ -244,7 +245,7 @@ def _sft_loss(
     model: Any, tokenizer: Any, examples: Sequence[Example], prompts: Sequence[str], cfg: Config
 ) -> torch.Tensor:
     """Mean token cross-entropy of the solutions (and EOS) given the prompts: ()."""
-    from essa.recipes.sft import encode_sft_batch
+    from essa.gradient.sft import encode_sft_batch
 
     batch = encode_sft_batch(tokenizer, examples, prompts, cfg.scalebio.max_length)
     device = next(model.parameters()).device

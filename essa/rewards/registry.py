@@ -25,6 +25,7 @@ from essa.rewards.base import (
     ScoreFn,
     noisy,
 )
+from essa.rewards.formatting import exact_match, format_reward, length, overlong
 from essa.rewards.label_free import answer_frequency, majority_vote
 from essa.rewards.logprob import (
     COMPLETION_LOGPROBS,
@@ -34,7 +35,6 @@ from essa.rewards.logprob import (
     self_confidence,
 )
 from essa.rewards.pattern import reasoning_pattern
-from essa.rewards.shaping import exact_match, format_reward, length, overlong
 from essa.rewards.spurious import incorrect_label, random_reward
 
 RewardFactory = Callable[..., Any]

@@ -41,7 +41,7 @@ import torch
 
 from essa import seeding
 from essa.config import Config, CureConfig
-from essa.recipes.grpo_policy import (
+from essa.gradient.policy import (
     Policy,
     Rollout,
     merge,

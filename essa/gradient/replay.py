@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from essa.errors import UserError
-from essa.recipes.grpo_policy import Rollout
+from essa.gradient.policy import Rollout
 from essa.rewards.base import Reward
 
 

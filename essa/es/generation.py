@@ -28,8 +28,8 @@ from essa.rewards.logprob import COMPLETION_LOGPROBS, REFERENCE_LOGPROBS
 from essa.types import AdapterVector, Example, Fitness, Population
 
 if TYPE_CHECKING:
+    from essa.data.selection import Informative
     from essa.harness import Phase
-    from essa.recipes.selection import Informative
 
 
 # Where an ESSA run scores with its training reward: the second element of a draw key.

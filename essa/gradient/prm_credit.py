@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from essa.errors import UserError
-from essa.recipes.grpo_policy import Rollout
+from essa.gradient.policy import Rollout
 from essa.rewards.base import Reward
 
 

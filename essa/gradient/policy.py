@@ -14,7 +14,7 @@ import torch
 
 from essa.backends.stops import stop_token_ids
 from essa.config import Config
-from essa.recipes.grpo_losses import era_activation, token_entropy
+from essa.gradient.losses import era_activation, token_entropy
 
 if TYPE_CHECKING:
     from essa.adapters.svd import SVDAdapter
@@ -78,7 +78,7 @@ class Policy:
 
     def export(self, out_dir: Path, base_model_name_or_path: str) -> None:
         if self.svd is None:
-            from essa.recipes.sft import save_adapter
+            from essa.gradient.sft import save_adapter
 
             save_adapter(self.model, out_dir)
             return
@@ -117,7 +117,7 @@ class _FactorFromSingularValues(torch.nn.Module):
 def _parametrize_singular_values(peft_model: Any, alpha: float) -> tuple[SVDAdapter, torch.Tensor]:
     from torch.nn.utils import parametrize
 
-    from essa.recipes.common import svd_adapter
+    from essa.setup import svd_adapter
 
     svd = svd_adapter(peft_model, alpha)
     device = next(peft_model.parameters()).device

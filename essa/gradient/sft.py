@@ -70,7 +70,7 @@ def encode_sft_batch(
 
 @dataclass
 class SFTLimit:
-    """A budgeted SFT (essa.plan): at most ``seconds`` of wall-clock, and a loss check on
+    """A budgeted SFT (essa.es.plan): at most ``seconds`` of wall-clock, and a loss check on
     ``check`` (training examples, never held-out ones) every few steps that stops SFT once it
     no longer improves. ``stopped`` says why SFT ended ("steps", "time" or "check")."""
 

@@ -56,7 +56,7 @@ def scale_baseline(
     same for any rank count. Every rank must call it.
     """
     from essa.dist import LocalComm, shard
-    from essa.recipes.fitness import SCALE_BASELINE_SITE, draw_keys, scores
+    from essa.es.generation import SCALE_BASELINE_SITE, draw_keys, scores
 
     comm = comm or LocalComm()
 

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from essa.config import Config, PrimeConfig
 from essa.errors import UserError
-from essa.recipes.grpo_policy import Policy, Rollout, select, token_logprobs
+from essa.gradient.policy import Policy, Rollout, select, token_logprobs
 
 WHITEN_EPS = 1e-8  # verl masked_whiten
 

@@ -289,7 +289,7 @@ def _sized(
     lengths: TaskLengths | None,
     done: Collection[str],
 ) -> Plan:
-    from essa.recipes.baselines import SCALE_FACTORS, SCALE_PROMPTS
+    from essa.es.start import SCALE_FACTORS, SCALE_PROMPTS
 
     row = costs.row / world_size  # seconds per row of the whole run (ranks in parallel)
     o, d, e = cfg.optimizer, cfg.data, cfg.evaluation

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from essa.config import Config
-    from essa.recipes.common import Task
+    from essa.data.task import Task
 from essa import seeding
 from essa.types import Example
 
@@ -197,8 +197,8 @@ def train_sft_lisa(
     cfg: SFTConfig,
     seed: int,
 ) -> list[float]:
-    """``essa.recipes.sft.train_sft`` with the base weights trained by LISA; losses per step."""
-    from essa.recipes.sft import encode_sft_batch
+    """``essa.gradient.sft.train_sft`` with the base weights trained by LISA; losses per step."""
+    from essa.gradient.sft import encode_sft_batch
 
     if not examples:
         raise UserError("data: no examples left for the SFT stage (data.sft_size is 0)")
@@ -253,8 +253,8 @@ def train_base_model(
     Returns (the saved model directory, losses). Full fine-tuning is ``train_sft`` with every
     parameter trainable (plain AdamW over all of them).
     """
-    from essa.recipes.common import render_prompts
-    from essa.recipes.sft import train_sft
+    from essa.data.task import render_prompts
+    from essa.gradient.sft import train_sft
     from essa.rundir import atomic_dir
 
     prompts = render_prompts(task.sft, cfg.data.template, tokenizer, cfg.data.system_prompt)

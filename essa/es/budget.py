@@ -1,5 +1,5 @@
 """An ESSA run's budget plan at run time: made before SFT, re-made after the held-out baseline,
-kept in the checkpoint (essa.plan holds the sizing itself).
+kept in the checkpoint (essa.es.plan holds the sizing itself).
 
 Under MPI every rank probes, the slowest rank's cost is agreed (an all-gather of one float),
 and every rank computes the same plan from it.
@@ -17,10 +17,10 @@ import numpy as np
 from essa.config import Config
 
 if TYPE_CHECKING:
+    from essa.data.task import Task
+    from essa.es.plan import Plan, TaskLengths
+    from essa.gradient.sft import SFTLimit
     from essa.harness import Harness
-    from essa.plan import Plan, TaskLengths
-    from essa.recipes.common import Task
-    from essa.recipes.sft import SFTLimit
 
 PLAN_NAME = "plan.json"
 
@@ -46,13 +46,13 @@ class Budget:
         train_prompts: list[str],
     ) -> Budget:
         """Probe and plan before SFT (print the plan); a resumed run re-reads its plan."""
-        from essa.plan import Costs, make_plan, probe_costs
+        from essa.es.plan import Costs, make_plan, probe_costs
 
         if not planned(cfg):
             return cls(lengths=lengths)
         saved = h.run_dir / PLAN_NAME
         if resume and saved.is_file():
-            from essa.plan import plan_from_dict
+            from essa.es.plan import plan_from_dict
 
             return cls(plan_from_dict(json.loads(saved.read_text())), lengths)
         with h.phase("budget probe"):
@@ -78,9 +78,9 @@ class Budget:
         never held-out ones); None without a plan."""
         if self.plan is None:
             return None
-        from essa.plan import SFT_CHECK_ITEMS, SFT_CHECKS, SFT_PATIENCE
-        from essa.recipes.common import render_prompts
-        from essa.recipes.sft import SFTLimit
+        from essa.data.task import render_prompts
+        from essa.es.plan import SFT_CHECK_ITEMS, SFT_CHECKS, SFT_PATIENCE
+        from essa.gradient.sft import SFTLimit
 
         check = task.train[:SFT_CHECK_ITEMS]
         d = cfg.data
@@ -95,7 +95,7 @@ class Budget:
         if self.plan is None or not test_items:
             return
         from essa.dist import shard
-        from essa.plan import Costs, make_plan
+        from essa.es.plan import Costs, make_plan
 
         part = shard(test_items, h.comm.rank, h.comm.world_size)
         row = _slowest(h, seconds / max(1, part.stop - part.start))
@@ -131,7 +131,7 @@ class Budget:
     def adopt(self, cfg: Config, h: Harness, state: dict[str, Any] | None) -> Config:
         """``cfg`` with the plan's candidates and prompts per generation; the plan comes from
         the checkpoint on resume (so a resumed run searches as the uninterrupted one)."""
-        from essa.plan import apply_plan, plan_from_dict
+        from essa.es.plan import apply_plan, plan_from_dict
 
         if state is not None and state.get("plan") is not None:
             self.plan = plan_from_dict(state["plan"])
@@ -147,7 +147,7 @@ class Budget:
 
     @property
     def start_prompts(self) -> int:
-        from essa.recipes.baselines import SCALE_PROMPTS
+        from essa.es.start import SCALE_PROMPTS
 
         return SCALE_PROMPTS if self.plan is None else max(1, self.plan.start_prompts)
 

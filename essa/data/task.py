@@ -1,0 +1,101 @@
+"""A task's splits and its prompts rendered in the configured template."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from essa import seeding
+from essa.config import Config, DataConfig
+from essa.errors import UserError
+from essa.types import Example
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Task:
+    sft: list[Example]  # the SFT stage's examples (disjoint from train and test)
+    train: list[Example]  # ESSA draws its per-generation mini-batches from here
+    test: list[Example]  # held-out; never used for any choice made during training
+
+
+def load_task(cfg: DataConfig, seed: int) -> Task:
+    """Split the data deterministically into SFT, train and held-out test examples."""
+    from essa.data import load_examples
+    from essa.data.loaders import builtin_examples
+    from essa.data.templates import known_templates
+
+    if cfg.template not in known_templates():  # fail before any data or model is loaded
+        raise UserError(
+            f"data.template: unknown prompt template {cfg.template!r}; "
+            f"known: {', '.join(known_templates())}"
+        )
+
+    if cfg.source.startswith("builtin:"):
+        pool, fixed_test = builtin_examples(cfg.source)  # a fixed held-out set per task
+        test = fixed_test[: cfg.test_size]
+    else:
+        examples = load_examples(
+            cfg.source,
+            question_field=cfg.question_field,
+            answer_field=cfg.answer_field,
+            solution_field=cfg.solution_field,
+            split=cfg.split,
+            params=cfg.params,
+        )
+        order = seeding.rng(seed, "data.test_split").permutation(len(examples))
+        shuffled = [examples[i] for i in order]
+        test, pool = shuffled[: cfg.test_size], shuffled[cfg.test_size :]
+    # The SFT/train cut depends on the run seed: one SFT adapter per (task, seed).
+    order = seeding.rng(seed, "data.sft_split").permutation(len(pool))
+    pool = [pool[i] for i in order]
+    sft, train = pool[: cfg.sft_size], pool[cfg.sft_size :][: cfg.train_size]
+    if not train:
+        raise UserError(
+            f"data.source {cfg.source}: no training examples left after the "
+            f"test ({cfg.test_size}) and SFT ({cfg.sft_size}) splits"
+        )
+    return Task(sft=sft, train=train, test=test)
+
+
+def render_prompts(
+    examples: Sequence[Example], template: str, tokenizer: Any, system_prompt: str | None = None
+) -> list[str]:
+    from essa.data.templates import render_prompts as render
+
+    try:
+        return render(template, [ex.prompt for ex in examples], tokenizer, system_prompt)
+    except ValueError as err:
+        raise UserError(f"data.template: {err}") from None
+
+
+def check_prompt_template(cfg: Config) -> None:
+    """Refuse ``data.template`` (and ``data.system_prompt``) when the model's tokenizer cannot
+    render it, before the model loads: the tokenizer alone loads in about a second, a GGUF not
+    converted yet is read for its header only. A real tokenizer renders one question, so that a
+    chat template that fails on its own (e.g. no system role) is caught here too."""
+    from essa.backends.hf import template_tokenizer
+    from essa.data.templates import check_template, render_prompt
+
+    d = cfg.data
+    tokenizer = template_tokenizer(cfg.model)
+    try:
+        check_template(d.template, tokenizer, d.system_prompt)
+        if hasattr(tokenizer, "apply_chat_template"):  # a real tokenizer, not a GGUF header
+            render_prompt(d.template, "1+1=", tokenizer, d.system_prompt)
+    except ValueError as err:
+        raise UserError(f"data.template: {err} ({cfg.model.name_or_path})") from None
+
+
+def render_splits(task: Task, data: DataConfig, tokenizer: Any) -> tuple[list[str], list[str]]:
+    """(train prompts, test prompts) in ``data.template`` with ``data.system_prompt``."""
+    return (
+        render_prompts(task.train, data.template, tokenizer, data.system_prompt),
+        render_prompts(task.test, data.template, tokenizer, data.system_prompt),
+    )

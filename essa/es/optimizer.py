@@ -1,0 +1,113 @@
+"""The ES optimizer over an SVD adapter's search vector (whole or layerwise), and the
+check that the adapter has something to search."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from essa.config import Config
+from essa.errors import UserError
+from essa.types import AdapterVector
+
+if TYPE_CHECKING:
+    from essa.adapters.svd import SVDAdapter
+    from essa.protocols import Optimizer
+
+log = logging.getLogger(__name__)
+
+
+def make_es_optimizer(
+    cfg: Config, adapter: SVDAdapter, x0: AdapterVector | None = None
+) -> Optimizer:
+    """The configured optimizer over the adapter's D offsets, layerwise when configured.
+
+    ``x0`` (D,): the initial mean; None = zeros, the SFT adapter itself. With relative steps,
+    coordinates that no step can move (``SVDAdapter.searchable``: zero singular values, modules
+    whose update is zero) stay at ``x0`` and the optimizer searches the others
+    (essa.optimizers.subspace).
+    """
+    from essa.optimizers import make_optimizer
+    from essa.optimizers.subspace import Subspace
+
+    o = cfg.optimizer
+    options: dict[str, Any] = (
+        {"variant": o.variant, "sep_above_dim": o.sep_above_dim, "mirrored": o.mirrored}
+        if o.name == "cma_es"
+        else {"lr": o.lr, "step": o.step}
+    )
+    stds = adapter.stds() if o.use_relative_steps else None
+    free = None if stds is None else adapter.searchable()  # (D,) bool
+    if free is not None and free.all():
+        free = None  # nothing to hold: the plain optimizer and its own checkpoint format
+    options.update(
+        population_size=o.population_size,
+        sigma0=o.sigma0,
+        seed=cfg.run.seed,
+        stds=stds if free is None or stds is None else stds[free],
+    )
+    if x0 is not None:  # only then: layerwise checkpoints written before x0 still load
+        options["x0"] = x0 if free is None else np.asarray(x0)[free]
+    dim = adapter.dim if free is None else int(free.sum())
+    if o.layerwise.active_layers is None:
+        opt = make_optimizer(o.name, dim, **options)
+    else:
+        opt = _layerwise_optimizer(cfg, adapter, dim, free, options)
+    if free is None:
+        return opt
+    return Subspace(opt, free, np.zeros(adapter.dim) if x0 is None else np.asarray(x0))
+
+
+def _layerwise_optimizer(
+    cfg: Config, adapter: SVDAdapter, dim: int, free: np.ndarray | None, options: dict[str, Any]
+) -> Optimizer:
+    """LayerwiseES over the layers' searched coordinates (renumbered into ``free``'s)."""
+    from essa.adapters.blocks import layer_blocks
+    from essa.optimizers.layerwise import LayerwiseES
+
+    o = cfg.optimizer
+    try:
+        blocks = layer_blocks(adapter.manifest())
+    except ValueError as err:
+        raise UserError(f"optimizer.layerwise: {err}") from None
+    if free is not None:  # a layer without a searchable value drops out of the schedule
+        index = np.cumsum(free) - 1  # (D,) position among the searched coordinates
+        blocks = [b for b in ([int(index[i]) for i in block if free[i]] for block in blocks) if b]
+    assert o.layerwise.active_layers is not None
+    if o.layerwise.active_layers > len(blocks):
+        raise UserError(
+            f"optimizer.layerwise.active_layers: must be in 1..{len(blocks)} (the adapter's "
+            f"layers), got {o.layerwise.active_layers}"
+        )
+    return LayerwiseES(
+        dim,
+        layer_indices=blocks,
+        active_layers=o.layerwise.active_layers,
+        interval=o.layerwise.interval,
+        base=o.name,
+        use_carried_sigma=o.layerwise.use_carried_sigma,
+        **options,
+    )
+
+
+def check_searchable(cfg: Config, adapter: SVDAdapter, adapter_dir: str) -> None:
+    """Refuse, in one line, an adapter (loaded from ``adapter_dir``) whose update gamma * B A
+    no search step can move.
+
+    With relative steps a zero singular value stays zero, and a zero factor keeps B'A' zero:
+    an untrained LoRA (B at PEFT's zero init) has nothing to search. With absolute steps only
+    gamma = 0 (lora_alpha 0) leaves nothing to search.
+    """
+    if cfg.optimizer.use_relative_steps:
+        if adapter.searchable().any():
+            return
+    elif any(module.gamma != 0 for module in adapter.modules):
+        return
+    where = f"adapter.path: {adapter_dir}" if cfg.adapter.path else f"sft: {adapter_dir}"
+    raise UserError(
+        f"{where} is an untrained LoRA (in every module B or A is zero, or lora_alpha is 0), "
+        "so ESSA has no singular value to search; use a trained adapter (adapter.path) or "
+        "train one first (sft.steps > 0, adapter.lora_alpha > 0)"
+    )

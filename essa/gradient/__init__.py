@@ -1,0 +1,2 @@
+"""The gradient toolkit below the GRPO, DPO and ScaleBiO recipes: the policy, losses, SFT,
+LISA, replay and the optional credit assignments."""

@@ -1,0 +1,192 @@
+"""The set-up every recipe shares: seeds, the base model, the SFT-or-loaded adapter on every
+rank, the task's generation lengths."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from essa.config import Config
+from essa.data.task import Task, render_prompts
+from essa.errors import UserError
+
+if TYPE_CHECKING:
+    from essa.adapters.svd import SVDAdapter
+    from essa.dist import Comm
+    from essa.es.plan import TaskLengths
+    from essa.gradient.sft import SFTLimit
+    from essa.harness import Harness, Reporter
+
+log = logging.getLogger(__name__)
+
+
+def resolve_lengths(
+    cfg: Config, tokenizer: Any, task: Task, say: Callable[[str], None]
+) -> tuple[Config, TaskLengths]:
+    """``cfg`` with ``generation.max_new_tokens: auto`` resolved on the model's tokenizer from
+    the task's references (SFT targets); a fixed value too short for them is one warning."""
+    from essa.es.plan import reference_texts
+    from essa.es.plan import resolve_lengths as resolve
+
+    examples = (task.sft + task.train)[:512]
+    prompts = render_prompts(examples, cfg.data.template, tokenizer, cfg.data.system_prompt)
+    cfg, lengths, warning = resolve(cfg, tokenizer, prompts, reference_texts(examples))
+    if warning:
+        say(warning)
+    return cfg, lengths
+
+
+def seed_everything(seed: int) -> None:
+    """Seed global RNGs once, for third-party code; our own code passes explicit generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def load_base_model(cfg: Config, h: Harness) -> tuple[Any, Any]:
+    """(model, tokenizer) of ``cfg.model`` on this rank's device, as the "model load" phase."""
+    from essa.backends.hf import load_model
+    from essa.dist import place_rank
+
+    if cfg.backend == "vllm":
+        from essa.backends.vllm import require_vllm
+
+        require_vllm()  # before the model loads and SFT runs
+    with h.phase("model load"):
+        return load_model(place_rank(cfg.model, h.comm))
+
+
+def load_or_train_adapter(
+    cfg: Config,
+    model: Any,
+    tokenizer: Any,
+    task: Task,
+    run_dir: Path,
+    reporter: Reporter | None = None,
+    limit: SFTLimit | None = None,
+) -> tuple[Any, str]:
+    """Return (peft_model, adapter_dir): the configured adapter, a saved SFT one, or a new SFT
+    (within ``limit``'s time and check when given: a budgeted run, essa.es.plan)."""
+    from essa.gradient.sft import check_target_modules, make_lora_model, save_adapter, train_sft
+    from essa.harness import Reporter
+
+    reporter = reporter or Reporter(None)
+    path = cfg.adapter.path
+    if path is None and (run_dir / "sft_adapter" / "adapter_config.json").exists():
+        path = str(run_dir / "sft_adapter")  # resumed run: reuse this run's SFT
+    if path is not None:
+        if not (Path(path) / "adapter_config.json").exists():
+            raise UserError(
+                f"adapter.path: {path} is not a PEFT adapter directory (no adapter_config.json)"
+            )
+        targets = _adapter_targets(Path(path))
+        check_target_modules(model, targets)
+        return load_peft_adapter(model, path, "adapter.path"), path
+    if cfg.sft.trainable != "lora":
+        raise UserError(
+            f"sft.trainable: {cfg.sft.trainable} trains the base weights, but this stage needs a "
+            "LoRA SFT adapter; use sft.trainable=lora here (`essa sft` alone trains full/LISA)"
+        )
+    peft_model = make_lora_model(model, cfg.adapter)
+    prompts = render_prompts(task.sft, cfg.data.template, tokenizer, cfg.data.system_prompt)
+    with reporter.phase("SFT", cfg.sft.steps, unit="steps") as bar:
+        losses = train_sft(
+            peft_model,
+            tokenizer,
+            task.sft,
+            prompts,
+            cfg.sft,
+            cfg.run.seed,
+            progress=lambda fields: bar.advance(1, **fields),
+            limit=limit,
+        )
+    if losses:
+        why = (
+            ""
+            if limit is None or limit.stopped == "steps"
+            else f" (stopped on its {limit.stopped})"
+        )
+        reporter.say(
+            f"SFT: {len(losses)} steps on {len(task.sft)} examples, "
+            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{why}"
+        )
+    out = save_adapter(peft_model, run_dir / "sft_adapter")
+    return peft_model, str(out)
+
+
+def adapter_on_every_rank(
+    cfg: Config, model: Any, tokenizer: Any, task: Task, h: Harness, limit: SFTLimit | None = None
+) -> tuple[Any, str]:
+    """Rank 0 loads or trains (and saves) the adapter; then the other ranks load the saved one.
+
+    Loading rank 0's saved SFT adapter, rather than training it on every rank, gives every
+    replica bit-identical singular values even where training is not deterministic (GPU kernels).
+    """
+    if h.is_root:
+        loaded = load_or_train_adapter(cfg, model, tokenizer, task, h.run_dir, h.reporter, limit)
+    h.comm.barrier()
+    if not h.is_root:
+        if cfg.adapter.path is None and not (h.run_dir / "sft_adapter").is_dir():
+            raise UserError(
+                f"run.dir {h.run_dir}: rank {h.comm.rank} cannot see the SFT adapter rank 0 "
+                "saved there; with ranks on several nodes run.dir must be on a shared filesystem"
+            )
+        loaded = load_or_train_adapter(cfg, model, tokenizer, task, h.run_dir, h.reporter)
+    return loaded
+
+
+def svd_adapter(peft_model: Any, alpha: float) -> SVDAdapter:
+    """The SVD form of the model's LoRA; a config that selects nothing is one UserError line."""
+    from essa.adapters import SVDAdapter
+
+    try:
+        return SVDAdapter.from_peft_model(peft_model, alpha=alpha)
+    except ValueError as err:  # e.g. alpha * r selects no singular value of a given adapter
+        raise UserError(f"adapter: {err}") from None
+
+
+def load_peft_adapter(model: Any, path: str, key: str) -> Any:
+    """``PeftModel.from_pretrained`` with load failures as one-line UserErrors naming ``key``.
+
+    PEFT reads adapter_model.safetensors, or unpickles adapter_model.bin with
+    ``weights_only=True`` (tensors only): a pickle that would run code is refused here.
+    """
+    import pickle
+
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, path)
+    except (OSError, ValueError, pickle.UnpicklingError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"{key}: cannot load the adapter in {path}: {first}") from None
+
+
+def _adapter_targets(path: Path) -> list[str]:
+    import json
+
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    targets = cfg.get("target_modules") or []
+    return [targets] if isinstance(targets, str) else list(targets)
+
+
+def one_process_harness(
+    cfg: Config, run_dir: Path, *, resume: bool, console: Any, comm: Comm | None
+) -> Harness:
+    """The gradient recipes' harness (unit: steps); they refuse to run on more than one rank."""
+    from essa.dist import get_comm
+    from essa.harness import Harness
+
+    comm = get_comm() if comm is None else comm
+    if comm.world_size > 1:
+        raise UserError(
+            f"algorithm: {cfg.algorithm} runs in one process for now (got {comm.world_size} "
+            "ranks); launch it without mpiexec/srun"
+        )
+    return Harness(cfg, run_dir, resume=resume, console=console, comm=comm, unit="steps")
