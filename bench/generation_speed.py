@@ -116,7 +116,7 @@ def _is_prefix(kwargs: dict[str, Any]) -> bool:
 
 def setup(args: argparse.Namespace) -> dict[str, Any]:
     """Model, tokenizer, SVD adapter, population, prompts, references and the reward."""
-    from essa.backends.hf import load_model
+    from essa.backends.loading import load_model
     from essa.config import load_config
     from essa.data.task import load_task, render_prompts
     from essa.es.optimizer import make_es_optimizer
@@ -208,7 +208,7 @@ def reward_seconds(s: dict[str, Any], completions: list[list[str]]) -> float:
 
 
 def token_counts(s: dict[str, Any]) -> dict[str, Any]:
-    from essa.backends.hf import shared_prefix_length
+    from essa.backends.generate import shared_prefix_length
 
     tokenizer = s["tokenizer"]
     prompts = tokenizer(s["prompts"], add_special_tokens=False)["input_ids"]

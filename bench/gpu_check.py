@@ -129,7 +129,7 @@ def timed(fn: Any, device: torch.device) -> tuple[float, float | None]:
 
 def run_cell(cell: tuple[str, str, int, int, int], device: torch.device, seed: int) -> dict:
     from essa.backends.evaluator import PopulationEvaluator
-    from essa.backends.hf import generate_texts
+    from essa.backends.generate import generate_texts
     from essa.config import EvaluationConfig, GenerationConfig
 
     name, dtype_name, population, n_prompts, new_tokens = cell

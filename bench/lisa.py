@@ -43,7 +43,7 @@ def memory_worker(mode: str, model_path: str, steps: int, out: Path) -> None:
     """Runs in a fresh process: ``steps`` SFT steps in ``mode``; writes the measurements."""
     import torch
 
-    from essa.backends.hf import load_model
+    from essa.backends.loading import load_model
     from essa.backends.memory import model_bytes, peak_rss_mb
     from essa.config import DataConfig, ModelConfig
     from essa.data.task import load_task, render_prompts

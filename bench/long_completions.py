@@ -1,6 +1,6 @@
 """One ESSA generation with answers of varied length: this tree vs a baseline commit, one run.
 
-    python -m bench.long_completions [--baseline 9379775] [--candidates 16] [--prompts 32]
+    python -m bench.long_completions --baseline REF [--candidates 16] [--prompts 32]
                                      [--max-new-tokens 64] [--repeats 3] [--threads 2]
                                      [--model /tmp/smollm2-hf] [--strategy batched]
 
@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-BASELINE = "9379775"  # main before the row-dropping decode loop
 ROOT = Path(__file__).resolve().parent.parent
 
 SHORT = [
@@ -74,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from essa.adapters import SVDAdapter
     from essa.backends.evaluator import PopulationEvaluator
-    from essa.backends.hf import load_model
+    from essa.backends.loading import load_model
     from essa.config import AdapterConfig, EvaluationConfig, GenerationConfig, ModelConfig
     from essa.data.templates import render_prompt
     from essa.gradient.sft import make_lora_model
@@ -213,7 +212,11 @@ def report_rows(result: dict[str, Any]) -> list[Any]:
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", default=BASELINE, help="git ref to compare against")
+    parser.add_argument(
+        "--baseline",
+        required=True,
+        help="git ref to compare against (a commit before the change measured, e.g. main)",
+    )
     parser.add_argument("--candidates", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)

@@ -63,7 +63,7 @@ ON_DEMAND: list[tuple[str, list[str]]] = [
     ("peers_memory", ["--threads", "1", "--repeats", "2"]),
     ("lisa", ["--seeds", "0", "1", "2", "--steps", "12"]),
     ("vllm_throughput", ["--repeats", "3"]),
-    ("long_completions", ["--repeats", "3"]),  # this tree vs a baseline commit (~15 min)
+    ("long_completions", ["--repeats", "3", "--baseline", "main"]),  # this tree vs main (~15 min)
     ("generation_speed", []),  # one generation on a long-prompt task, 3 variants (~12 min)
     ("gpu_check", []),  # needs a GPU (< 8 min); on CPU: --device cpu --tiny
 ]

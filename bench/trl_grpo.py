@@ -150,7 +150,7 @@ def run(cfg: Any, run_dir: Path, console: Any = print) -> dict[str, Any]:
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from essa.backends.hf import load_model
+    from essa.backends.loading import load_model
     from essa.backends.memory import memory_metrics, model_bytes
     from essa.config import dump_config
     from essa.data.task import load_task
@@ -236,7 +236,7 @@ def evaluate(model: Any, tokenizer: Any, data: Any, cfg: Any) -> float:
     """Greedy held-out accuracy with our evaluation code (the same split and helper as GRPO)."""
     import torch
 
-    from essa.backends.hf import generate_texts
+    from essa.backends.generate import generate_texts
     from essa.evaluation import heldout_metric, score_heldout
 
     was_training = model.training

@@ -240,7 +240,7 @@ def sft(
     A LoRA goes to RUN_DIR/sft_adapter; with sft.trainable full or lisa the whole model goes to
     RUN_DIR/sft_model.
     """
-    from essa.backends.hf import load_model
+    from essa.backends.loading import load_model
     from essa.data.task import load_task
     from essa.rundir import prepare_run_dir
     from essa.setup import load_or_train_adapter, seed_everything
@@ -300,7 +300,7 @@ def evaluate(
     included, as training reports it); with --samples K also avg@K, pass@K and maj@K; and drift:
     off-task KL to the base (and SFT) model, update size, retention and pass@K (docs/drift.md).
     """
-    from essa.backends.hf import load_model
+    from essa.backends.loading import load_model
     from essa.data.task import load_task
     from essa.evaluation import check_heldout_answers, heldout_metric
     from essa.setup import seed_everything
@@ -419,7 +419,7 @@ def _sample_metrics(
     majority keys from extracted answers. Returns the metrics and one record per completion."""
     from dataclasses import replace
 
-    from essa.backends.hf import generate_texts
+    from essa.backends.generate import generate_texts
     from essa.data.task import render_prompts
     from essa.metrics import sample_metrics
     from essa.rewards import extract_answer

@@ -155,7 +155,7 @@ class PopulationModels:
         row_seeds: Sequence[int] | None = None,
     ) -> dict[str, list[str]]:
         from essa.adapters import PopulationLoRA, candidate_rows
-        from essa.backends.hf import generate_texts
+        from essa.backends.generate import generate_texts
 
         out: dict[str, list[str]] = {}
         if "base" in names:
@@ -230,7 +230,7 @@ class PeftModels:
         names: Sequence[str],
         row_seeds: Sequence[int] | None = None,
     ) -> dict[str, list[str]]:
-        from essa.backends.hf import generate_texts
+        from essa.backends.generate import generate_texts
 
         out = {}
         for name in (n for n in self.names if n in names):
@@ -253,7 +253,7 @@ Models = PopulationModels | PeftModels
 def _tail(model: Any, chunk: Sequence[Pair], pad_id: int) -> torch.Tensor:
     import inspect
 
-    from essa.backends.hf import model_device
+    from essa.backends.loading import model_device
     from essa.backends.teacher import tail_log_softmax
 
     keep = "logits_to_keep" in inspect.signature(model.forward).parameters

@@ -19,7 +19,7 @@ FEW_SHOT = "1+2+3+4+5+"  # 10 shared tokens: the prefix cache applies
 @pytest.fixture(scope="module")
 def demo():  # type: ignore[no-untyped-def]
     from essa.adapters import SVDAdapter
-    from essa.backends.hf import load_model
+    from essa.backends.loading import load_model
     from essa.config import AdapterConfig, ModelConfig
     from essa.gradient.sft import make_lora_model
 
@@ -37,7 +37,8 @@ def demo():  # type: ignore[no-untyped-def]
 
 def run(demo, monkeypatch, *, drop: bool, **options):  # type: ignore[no-untyped-def]
     """completions[candidate][prompt] and how many times rows were dropped."""
-    from essa.backends import decode, hf
+    from essa.backends import decode
+    from essa.backends import generate as hf
     from essa.backends.evaluator import PopulationEvaluator
 
     model, tokenizer, adapter, x = demo
@@ -114,7 +115,7 @@ def test_decode_rows_pads_like_generate(demo, check_every) -> None:  # type: ign
     ``check_every=3`` is the GPU setting's shape (ended rows read back every few steps).
     """
     from essa.backends.decode import decode_rows
-    from essa.backends.hf import _generate_kwargs, pad_rows
+    from essa.backends.generate import _generate_kwargs, pad_rows
 
     model, tokenizer, _, _ = demo
     encoded = tokenizer(QUESTIONS, add_special_tokens=False)["input_ids"]
@@ -142,7 +143,7 @@ def test_peft_wrapped_models_keep_generate(demo) -> None:  # type: ignore[no-unt
 
 def generate(demo, monkeypatch, gen: GenerationConfig, *, drop: bool = True, **options):  # type: ignore[no-untyped-def]
     """generate_texts on the plain demo model: the decode loop, or generate (``drop=False``)."""
-    from essa.backends import hf
+    from essa.backends import generate as hf
 
     model, tokenizer, _, _ = demo
     with monkeypatch.context() as patch:

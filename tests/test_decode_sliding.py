@@ -69,7 +69,7 @@ def populations(model_dirs: dict[str, Path]) -> Callable[[str], tuple[Any, Any, 
 def _build(family: str, directory: Path) -> Path:
     import transformers
 
-    from essa.backends.hf import _generate_kwargs, pad_rows
+    from essa.backends.generate import _generate_kwargs, pad_rows
 
     model_class, config_class, options, _ = FAMILIES[family]
     tokenizer = build_char_tokenizer()
@@ -111,7 +111,7 @@ def _varied_stop(completions: list[torch.Tensor], tokenizer: Any) -> int:
 
 
 def _load(model_dirs: dict[str, Path], family: str) -> tuple[Any, Any]:
-    from essa.backends.hf import load_model
+    from essa.backends.loading import load_model
     from essa.config import ModelConfig
 
     return load_model(ModelConfig(name_or_path=str(model_dirs[family])))
@@ -169,7 +169,7 @@ def test_decode_rows_matches_generate(
     """Token ids equal generate's on whole left-padded rows, with rows dropped on the way; with
     a shared prefix, its cache is run once and placed after each row's left padding."""
     from essa.backends.decode import decode_rows
-    from essa.backends.hf import (
+    from essa.backends.generate import (
         MIN_PREFIX_TOKENS,
         _generate_kwargs,
         pad_rows,
@@ -201,7 +201,7 @@ def test_decode_rows_matches_generate(
 
 def _completions(setup, monkeypatch, strategy, *, fast: bool, prefix: bool):  # type: ignore[no-untyped-def]
     """completions[candidate][prompt], rows dropped, prefix passes; ``fast=False`` is generate."""
-    from essa.backends import hf
+    from essa.backends import generate as hf
     from essa.backends.evaluator import PopulationEvaluator
 
     base, tokenizer, adapter = setup

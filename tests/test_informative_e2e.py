@@ -153,7 +153,7 @@ def test_heldout_prompts_never_get_hints(
     tmp_path: Path, recipe: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import essa.backends
-    import essa.backends.hf
+    import essa.backends.generate
     from essa.config import load_config
     from essa.recipes import essa_es, grpo
 
@@ -168,8 +168,8 @@ def test_heldout_prompts_never_get_hints(
 
         monkeypatch.setattr(essa.backends, "population_evaluator", evaluator)
     else:
-        generate = spy_generate_texts(calls, essa.backends.hf.generate_texts)
-        monkeypatch.setattr(essa.backends.hf, "generate_texts", generate)
+        generate = spy_generate_texts(calls, essa.backends.generate.generate_texts)
+        monkeypatch.setattr(essa.backends.generate, "generate_texts", generate)
     # No drift report: its retention and sampled passes would count as held-out calls.
     no_drift = ["evaluation.drift.prompts=0", "evaluation.drift.items=0"]
     cfg = load_config(None, [*overrides(tmp_path, recipe, 4), "evaluation.every=2", *no_drift])

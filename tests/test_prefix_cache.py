@@ -48,7 +48,7 @@ def evaluate(setup, strategy: str, micro_batch_size: int, use_prefix_cache: bool
 @pytest.mark.parametrize("micro_batch_size", [3, 1024])
 @pytest.mark.parametrize("strategy", ["batched", "merged"])
 def test_cached_completions_match(setup, strategy, micro_batch_size, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from essa.backends import hf
+    from essa.backends import generate as hf
 
     calls = []
     original = hf.prefix_states
@@ -71,7 +71,12 @@ def test_cached_completions_match(setup, strategy, micro_batch_size, monkeypatch
 @pytest.mark.parametrize("strategy", ["batched", "merged"])
 def test_first_step_logits_match(setup, strategy: str) -> None:  # type: ignore[no-untyped-def]
     from essa.adapters import PopulationLoRA, candidate_rows, merged_candidate
-    from essa.backends.hf import _cache_argument, pad_rows, prefix_states, shared_prefix_length
+    from essa.backends.generate import (
+        _cache_argument,
+        pad_rows,
+        prefix_states,
+        shared_prefix_length,
+    )
 
     model, tokenizer, adapter, X = setup
     encoded = tokenizer(PROMPTS, add_special_tokens=False)["input_ids"]
@@ -112,7 +117,7 @@ def test_first_step_logits_match(setup, strategy: str) -> None:  # type: ignore[
 
 
 def test_short_prefix_falls_back(setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from essa.backends import hf
+    from essa.backends import generate as hf
 
     prompts = ["12=" + q for q in ("12+3=", "7+45=")]  # 3 shared tokens < MIN_PREFIX_TOKENS
 
@@ -126,7 +131,7 @@ def test_short_prefix_falls_back(setup, monkeypatch) -> None:  # type: ignore[no
 
 
 def test_shared_prefix_length() -> None:
-    from essa.backends.hf import shared_prefix_length
+    from essa.backends.generate import shared_prefix_length
 
     assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 5]]) == 2
     assert shared_prefix_length([[1, 2, 3], [1, 2, 3]]) == 2  # each keeps one own token

@@ -108,7 +108,7 @@ def _oom_after(limit: int, calls: list[int]):  # type: ignore[no-untyped-def]
     A mock, because a real out-of-memory cannot be provoked safely on a shared CPU host (the
     kernel would kill a process) and there is no GPU here.
     """
-    from essa.backends import hf
+    from essa.backends import generate as hf
 
     def fake(*args, micro_batch_size: int, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(micro_batch_size)
@@ -146,7 +146,7 @@ def test_out_of_memory_retry_returns_one_set_of_logprobs(setup, monkeypatch) -> 
     """``merged`` generates per candidate: an out-of-memory error after the first one retries
     the whole call, and the log-probs are the call's, one list per candidate (not P + 1)."""
     from essa.backends import evaluator as evaluator_module
-    from essa.backends import hf
+    from essa.backends import generate as hf
     from essa.backends.evaluator import PopulationEvaluator
 
     model, tokenizer, adapter = setup
@@ -403,7 +403,7 @@ class _RunsCode:
 
 
 def test_pickled_model_weights_never_run_code(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from essa.backends.hf import load_model
+    from essa.backends.loading import load_model
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model_dir)
@@ -426,7 +426,7 @@ def test_pickled_model_weights_never_run_code(tiny_model_dir: Path, tmp_path: Pa
 
 
 def test_pickled_adapter_never_runs_code(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from essa.backends.hf import load_model
+    from essa.backends.loading import load_model
     from essa.setup import load_peft_adapter
 
     adapter_dir = tmp_path / "adapter"
@@ -464,7 +464,7 @@ class CustomForCausalLM(Qwen2ForCausalLM):
 
 
 def test_remote_code_runs_only_when_trusted(tiny_model_dir: Path, tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
-    from essa.backends.hf import load_model
+    from essa.backends.loading import load_model
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model_dir)
@@ -479,7 +479,7 @@ def test_remote_code_runs_only_when_trusted(tiny_model_dir: Path, tmp_path: Path
         assert "trust_remote_code" in str(err)
     assert not marker.exists()
 
-    with caplog.at_level(logging.WARNING, logger="essa.backends.hf"):
+    with caplog.at_level(logging.WARNING, logger="essa.backends.loading"):
         model, _ = load_model(ModelConfig(name_or_path=str(model_dir), trust_remote_code=True))
     assert marker.exists() and type(model).__name__ == "CustomForCausalLM"
     assert any("trust_remote_code is TRUE" in r.message for r in caplog.records)

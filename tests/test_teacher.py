@@ -72,7 +72,7 @@ def test_references_forced_in_the_prefill_match_a_separate_pass(
     """The tie-breaker's reference log-probs come from the generation's own prefill (or, where
     the decode loop does not apply, a forward of their own): they equal the separate teacher-
     forced pass, and the completions are those of a call without them."""
-    import essa.backends.hf as hf
+    import essa.backends.generate as hf
     from essa.backends.decode import supports_row_dropping
     from essa.backends.evaluator import PopulationEvaluator
     from essa.config import EvaluationConfig, GenerationConfig

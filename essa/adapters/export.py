@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -21,8 +21,29 @@ import torch
 from essa.rundir import atomic_dir
 from essa.types import AdapterVector
 
-if TYPE_CHECKING:  # svd.py imports this module; the adapter is only read here, never built
-    from essa.adapters.svd import SVDAdapter
+
+class ExportedFactor(Protocol):
+    """One adapted module as the export reads it (``essa.adapters.svd.FactorSVD``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def r(self) -> int: ...
+    @property
+    def gamma(self) -> float: ...
+
+
+class Exportable(Protocol):
+    """What the export reads of an adapter (``essa.adapters.svd.SVDAdapter``, which calls this
+    module: a protocol rather than an import keeps the dependency one-way)."""
+
+    @property
+    def modules(self) -> Sequence[ExportedFactor]: ...
+    @property
+    def module_names(self) -> list[str]: ...
+    def manifest(self) -> dict[str, Any]: ...
+    def factors(self, vector: AdapterVector) -> dict[str, tuple[torch.Tensor, torch.Tensor]]: ...
+
 
 MANIFEST_NAME = "essa_manifest.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -30,7 +51,7 @@ _PEFT_PREFIX = "base_model.model."
 
 
 def export_peft(
-    adapter: SVDAdapter,
+    adapter: Exportable,
     vector: AdapterVector,
     out_dir: str | Path,
     base_model_name_or_path: str | None = None,
@@ -67,7 +88,7 @@ def export_peft(
 
 
 def _lora_config(
-    adapter: SVDAdapter,
+    adapter: Exportable,
     base_model_name_or_path: str | None,
     target_modules: Sequence[str] | None,
     lora_alpha: float | None,

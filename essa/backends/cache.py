@@ -1,7 +1,7 @@
 """KV cache layouts that the fast decode path handles, and the operations it needs on them.
 
 The row-dropping decode loop (``essa.backends.decode``) and the shared-prefix cache
-(``essa.backends.hf``) work on a transformers ``DynamicCache`` whose layers are all
+(``essa.backends.generate``) work on a transformers ``DynamicCache`` whose layers are all
 full-attention ``DynamicLayer`` or sliding-window ``DynamicSlidingWindowLayer``, in any mix:
 Llama, Qwen2/3 and SmolLM2 (all full), Gemma 2/3 (sliding and full layers), Mistral with
 ``sliding_window`` set (all sliding), Qwen2/3 with ``use_sliding_window``. Row selection

@@ -16,7 +16,7 @@ W0 is called as is, never modified, and the candidate path runs in float32. Rows
 
 In both strategies, when the prompts share a token prefix (a system prompt, a chat header), that
 prefix is run once per candidate and its KV cache reused by the candidate's rows
-(``evaluation.use_prefix_cache``; see ``essa.backends.hf.generate_texts``).
+(``evaluation.use_prefix_cache``; see ``essa.backends.generate.generate_texts``).
 
 Faults: a candidate whose logits turn NaN/inf is flagged in ``nonfinite`` (the recipe gives it
 NaN fitness) instead of being graded on garbage; an out-of-memory error halves the micro-batch
@@ -36,7 +36,7 @@ import torch
 
 from essa.adapters import PopulationLoRA, SVDAdapter, merged_candidate
 from essa.adapters.population import HALF_DTYPES
-from essa.backends.hf import NonFiniteGuard, generate_texts
+from essa.backends.generate import NonFiniteGuard, generate_texts
 from essa.config import EvaluationConfig, GenerationConfig
 from essa.errors import UserError
 from essa.protocols import RowProgress

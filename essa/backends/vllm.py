@@ -18,7 +18,7 @@ in-place perturbation of the base has no effect. And ESSA's candidates *are* ada
 also keeps a quantised (AWQ/GPTQ/FP8) base untouched.
 
 Deviations from the HF backend: prompts are tokenised by the HF tokenizer (no special tokens,
-as in ``essa.backends.hf.generate_texts``) and completions decoded by it, so both backends see
+as in ``essa.backends.generate.generate_texts``) and completions decoded by it, so both backends see
 and return the same tokens; vLLM's kernels differ from HF's, so greedy completions can differ
 where two tokens' logits are within rounding (tests/test_vllm.py bounds this). Sampling
 (temperature > 0) is seeded per row, but vLLM's random streams differ from torch's: the same
@@ -281,7 +281,7 @@ def open_evaluator(
 
     import torch
 
-    from essa.backends.hf import resolve_model_path
+    from essa.backends.loading import resolve_model_path
 
     gc.collect()  # the HF copy of the base (SFT, SVD) must be gone before vLLM sizes its memory
     if torch.cuda.is_available():

@@ -83,7 +83,7 @@ def measure_task(
     """Lengths of ``prompts`` (rendered) and ``references`` (what SFT teaches the model to
     write after a prompt) in tokens, as generation and SFT tokenise them; with a fixed
     ``max_new_tokens``, how many references it cannot hold with their stop token."""
-    from essa.backends.hf import shared_prefix_length
+    from essa.backends.generate import shared_prefix_length
 
     p = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
     r = [len(x) for x in tokenizer(list(references), add_special_tokens=False)["input_ids"]]
@@ -206,7 +206,7 @@ def probe_costs(
     :data:`SFT_BACKWARD_FACTOR` forwards of its tokens, at the prefill's rate."""
     import torch
 
-    from essa.backends.hf import generate_texts
+    from essa.backends.generate import generate_texts
 
     gen = dataclasses.replace(cfg.generation, temperature=0.0)
     rows = [prompts[i % len(prompts)] for i in range(PROBE_ROWS)]

@@ -630,7 +630,7 @@ def heldout_accuracy(
     """
     from dataclasses import replace
 
-    from essa.backends.hf import generate_texts
+    from essa.backends.generate import generate_texts
 
     if not data.test:
         return float("nan")
