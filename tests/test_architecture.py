@@ -97,22 +97,20 @@ def test_import_rules(package: str) -> None:
     assert not broken, "\n".join(broken)
 
 
-@pytest.mark.parametrize(
-    "package", ["essa.adapters", "essa.optimizers", "essa.rewards", "essa.data"]
-)
-def test_no_import_cycles_inside_a_package(package: str) -> None:
-    """Runtime imports (lazy ones too) between a package's modules form no cycle.
+def module_graph(*, runtime_only: bool) -> dict[str, set[str]]:
+    """essa's modules -> the essa modules they import; ``from pkg import mod`` names the module,
+    and a package's ``__init__`` importing its own modules is not an edge back to it."""
+    names = {module_name(p) for p in sources()}
+    graph: dict[str, set[str]] = {}
+    for path in sources():
+        name = module_name(path)
+        targets = {m for m in imports(path, runtime_only=runtime_only) if m in names}
+        graph[name] = {m for m in targets if m != name and not name.startswith(m + ".")}
+    return graph
 
-    adapters.export <-> adapters.svd was one: a lazy import inside a method hid it.
-    """
-    names = {module_name(p): p for p in sources() if module_name(p).startswith(package + ".")}
-    graph = {
-        name: {m for m in imports(path, runtime_only=True) if m in names and m != name}
-        for name, path in names.items()
-    }
-    for name in graph:  # a package's __init__ importing its own modules is not a cycle
-        graph[name] = {m for m in graph[name] if not name.startswith(m + ".")}
-    state: dict[str, int] = {}
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def cycle_from(node: str, trail: list[str]) -> list[str] | None:
         state[node] = 1
@@ -125,9 +123,106 @@ def test_no_import_cycles_inside_a_package(package: str) -> None:
         return None
 
     for name in sorted(graph):
-        if name not in state:
-            found = cycle_from(name, [])
-            assert found is None, " -> ".join(found)
+        if name not in state and (found := cycle_from(name, [])):
+            return found
+    return None
+
+
+def test_no_import_cycles() -> None:
+    """No two modules of essa import each other, through any chain: lazy imports inside
+    functions and TYPE_CHECKING imports count too (a lazy import hid adapters.export <->
+    adapters.svd; hf <-> teacher was another)."""
+    found = find_cycle(module_graph(runtime_only=False))
+    assert found is None, " -> ".join(found or [])
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_recipes_are_imported_only_by_the_cli() -> None:
+    """A recipe is its paper's loop: no recipe imports another, and nothing below the CLI
+    imports a recipe (shared machinery lives in the toolkits)."""
+    graph = module_graph(runtime_only=False)
+    broken = [
+        f"{name} imports {target}"
+        for name, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if target.startswith("essa.recipes.") and name != "essa.cli"
+    ]
+    assert not broken, "\n".join(broken)
+
+
+TOOLKITS = (
+    "essa.adapters",
+    "essa.backends",
+    "essa.data",
+    "essa.dist",
+    "essa.es",
+    "essa.gradient",
+    "essa.optimizers",
+    "essa.rewards",
+    "essa.tools",
+)
+
+
+@pytest.mark.parametrize("package", TOOLKITS)
+def test_toolkits_take_their_sections_not_the_whole_config(package: str) -> None:
+    """Below the recipes a component reads its own config section (``GRPOConfig``,
+    ``GenerationConfig``, ...), so the whole schema (``essa.config.Config``) is never imported
+    there, not even for a type; nor is a recipe."""
+    broken = []
+    for path in sources():
+        if not module_name(path).startswith(package + "."):
+            continue
+        for imported in imports(path):
+            if imported == "essa.config.Config" or imported.startswith("essa.recipes"):
+                broken.append(f"{path.relative_to(ROOT)} imports {imported}")
+    assert not broken, "\n".join(broken)
+
+
+def private_uses(path: Path) -> list[str]:
+    """``from essa.x import _name`` and ``module._name`` on an imported essa module."""
+    tree = ast.parse(path.read_text())
+    modules: set[str] = set()  # local names bound to essa modules
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("essa"):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{path.name}:{node.lineno} imports {node.module}.{alias.name}")
+                if (ROOT / node.module.replace(".", "/") / f"{alias.name}.py").exists() or (
+                    ROOT / node.module.replace(".", "/") / alias.name / "__init__.py"
+                ).exists():
+                    modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("essa"):
+                    modules.add(alias.asname or alias.name)
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and ast.unparse(node.value) in modules
+        ):
+            found.append(f"{path.name}:{node.lineno} uses {ast.unparse(node)}")
+    return found
+
+
+def test_no_private_name_is_used_across_modules() -> None:
+    """A leading underscore means "this module only": the package and the benchmarks never
+    reach into another module's private names (a name others need is public, and documented)."""
+    paths = [*sources(), *sorted((ROOT / "bench").glob("*.py"))]
+    broken = [use for path in paths for use in private_uses(path)]
+    assert not broken, "\n".join(broken)
+
+
+def test_private_uses_sees_both_forms(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("from essa.backends import decode\nfrom essa.rundir import _x\ndecode._y\n")
+    assert private_uses(probe) == ["probe.py:2 imports essa.rundir._x", "probe.py:3 uses decode._y"]
 
 
 def test_recipes_take_no_any_parameters_of_our_own_types() -> None:
