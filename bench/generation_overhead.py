@@ -43,7 +43,7 @@ SHAPES = {"demo": (16, 64, 8), "smollm2": (4, 16, 16)}
 def load(name: str) -> tuple[Any, Any, str, list[str]]:
     """(base model, tokenizer, model label, prompts); FileNotFoundError when smollm2 is absent."""
     from bench.prefix_cache import load as load_prefix_bench
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
     from essa.config import ModelConfig
     from essa.data.arithmetic import arithmetic_examples
 

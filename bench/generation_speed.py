@@ -116,7 +116,7 @@ def _is_prefix(kwargs: dict[str, Any]) -> bool:
 
 def setup(args: argparse.Namespace) -> dict[str, Any]:
     """Model, tokenizer, SVD adapter, population, prompts, references and the reward."""
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
     from essa.config import load_config
     from essa.data.task import load_task, render_prompts
     from essa.es.optimizer import make_es_optimizer

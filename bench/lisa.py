@@ -43,8 +43,8 @@ def memory_worker(mode: str, model_path: str, steps: int, out: Path) -> None:
     """Runs in a fresh process: ``steps`` SFT steps in ``mode``; writes the measurements."""
     import torch
 
-    from essa.backends.loading import load_model
     from essa.backends.memory import model_bytes, peak_rss_mb
+    from essa.backends.models import load_model
     from essa.config import DataConfig, ModelConfig
     from essa.data.task import load_task, render_prompts
     from essa.gradient.lisa import grad_bytes, optimizer_state_bytes

@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from essa.adapters import SVDAdapter
     from essa.backends.evaluator import PopulationEvaluator
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
     from essa.config import AdapterConfig, EvaluationConfig, GenerationConfig, ModelConfig
     from essa.data.templates import render_prompt
     from essa.gradient.sft import make_lora_model

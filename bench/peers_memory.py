@@ -67,8 +67,8 @@ def probe_load(config: Path, adapter: Path, out: Path) -> None:
     """The floor: load the model and the adapter, nothing else; write this process's peak."""
     import torch
 
-    from essa.backends.loading import load_model
     from essa.backends.memory import peak_rss_mb
+    from essa.backends.models import load_model
     from essa.config import load_config
     from essa.setup import load_peft_adapter
 

@@ -37,7 +37,7 @@ FEW_SHOT = "1+2=3,4+5=9,10+20=30,7+8=15,"  # the demo model's artificial shared 
 
 def load(use_demo: bool) -> tuple[Any, Any, str, list[str]]:
     """(model, tokenizer, model name, prompt texts)."""
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
     from essa.config import ModelConfig
     from essa.data.arithmetic import arithmetic_examples
     from essa.data.templates import render_prompt

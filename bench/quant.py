@@ -65,7 +65,7 @@ def smollm2_checkpoint(cache: Path) -> Path | None:
     out = cache / "smollm2-135m-fp32"
     if (out / "config.json").exists():
         return out
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
     from essa.config import ModelConfig
 
     model, tokenizer = load_model(ModelConfig(name_or_path=str(source), gguf_file=GGUF))
@@ -136,8 +136,8 @@ def in_process(model_path: str, repeats: int, shape: tuple[int, int]) -> dict[st
 
     from essa.adapters import SVDAdapter
     from essa.backends.evaluator import PopulationEvaluator
-    from essa.backends.loading import load_model
     from essa.backends.memory import model_bytes
+    from essa.backends.models import load_model
     from essa.config import AdapterConfig, EvaluationConfig, GenerationConfig, ModelConfig
     from essa.data.arithmetic import arithmetic_examples
     from essa.gradient.sft import make_lora_model

@@ -46,7 +46,7 @@ NEW_TOKENS = 4
 def build(rank: int = 8, seed: int = 0) -> tuple[Any, Any, Any]:
     """The demo base model with a random rank-r LoRA (B != 0) in SVD form."""
     from essa.adapters import SVDAdapter
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
     from essa.config import AdapterConfig, ModelConfig
     from essa.gradient.sft import make_lora_model
 

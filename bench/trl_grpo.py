@@ -150,8 +150,8 @@ def run(cfg: Any, run_dir: Path, console: Any = print) -> dict[str, Any]:
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from essa.backends.loading import load_model
     from essa.backends.memory import memory_metrics, model_bytes
+    from essa.backends.models import load_model
     from essa.config import dump_config
     from essa.data.task import load_task
     from essa.recipes.grpo import _Data

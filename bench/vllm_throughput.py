@@ -66,7 +66,7 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from essa.adapters import SVDAdapter
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
     from essa.config import load_config
     from essa.data.arithmetic import arithmetic_examples
     from essa.data.templates import render_prompt

@@ -240,7 +240,7 @@ def sft(
     A LoRA goes to RUN_DIR/sft_adapter; with sft.trainable full or lisa the whole model goes to
     RUN_DIR/sft_model.
     """
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
     from essa.data.task import load_task
     from essa.rundir import prepare_run_dir
     from essa.setup import load_or_train_adapter, seed_everything
@@ -300,7 +300,7 @@ def evaluate(
     included, as training reports it); with --samples K also avg@K, pass@K and maj@K; and drift:
     off-task KL to the base (and SFT) model, update size, retention and pass@K (docs/drift.md).
     """
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
     from essa.data.task import load_task
     from essa.evaluation import check_heldout_answers, heldout_metric
     from essa.setup import seed_everything

@@ -253,7 +253,7 @@ Models = PopulationModels | PeftModels
 def _tail(model: Any, chunk: Sequence[Pair], pad_id: int) -> torch.Tensor:
     import inspect
 
-    from essa.backends.loading import model_device
+    from essa.backends.models import model_device
     from essa.backends.teacher import tail_log_softmax
 
     keep = "logits_to_keep" in inspect.signature(model.forward).parameters

@@ -51,7 +51,7 @@ def seed_everything(seed: int) -> None:
 
 def load_base_model(cfg: Config, h: Harness) -> tuple[Any, Any]:
     """(model, tokenizer) of ``cfg.model`` on this rank's device, as the "model load" phase."""
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
     from essa.dist import place_rank
 
     if cfg.backend == "vllm":

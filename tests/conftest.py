@@ -297,7 +297,7 @@ def svd_setup(model_dir: Path) -> tuple[object, object, object]:
     import torch
 
     from essa.adapters import SVDAdapter
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
     from essa.config import AdapterConfig, ModelConfig
     from essa.gradient.sft import make_lora_model
 

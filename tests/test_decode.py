@@ -19,7 +19,7 @@ FEW_SHOT = "1+2+3+4+5+"  # 10 shared tokens: the prefix cache applies
 @pytest.fixture(scope="module")
 def demo():  # type: ignore[no-untyped-def]
     from essa.adapters import SVDAdapter
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
     from essa.config import AdapterConfig, ModelConfig
     from essa.gradient.sft import make_lora_model
 

@@ -111,7 +111,7 @@ def _varied_stop(completions: list[torch.Tensor], tokenizer: Any) -> int:
 
 
 def _load(model_dirs: dict[str, Path], family: str) -> tuple[Any, Any]:
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
     from essa.config import ModelConfig
 
     return load_model(ModelConfig(name_or_path=str(model_dirs[family])))

@@ -20,7 +20,7 @@ PROMPTS = ["12+3=", "7*8=", "45-6=", "9 9 9", "1="]
 
 def lora_model(model_dir: Path) -> tuple[Any, Any]:
     """(peft_model, tokenizer): the tiny model with a rank-4 LoRA whose B is non-zero."""
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
     from essa.config import AdapterConfig, ModelConfig
     from essa.gradient.sft import make_lora_model
 
@@ -100,7 +100,7 @@ def test_update_size_matches_a_hand_computation(tiny_model_dir: Path) -> None:
 
 
 def test_offtask_prompts_are_fixed_and_leave_out_the_training_task() -> None:
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
     from essa.config import ModelConfig
     from essa.data.loaders import builtin_examples
 

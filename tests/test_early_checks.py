@@ -18,7 +18,7 @@ from essa.cli import app
 @pytest.fixture
 def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
     from essa.backends import gguf_cache
-    from essa.backends import loading as hf
+    from essa.backends import models as hf
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded (or converted) before the check")

@@ -42,7 +42,7 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("gguf", reason="gguf not installed: pip install gguf")
     from essa import setup
     from essa.backends import gguf_cache
-    from essa.backends.hf import load_model, resolve_model_path
+    from essa.backends.models import load_model, resolve_model_path
     from essa.config import ModelConfig
 
     conversions: list[tuple[Any, ...]] = []
@@ -71,7 +71,7 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.component("gguf")
 def test_gguf_model_loads_and_generates(smollm2: dict[str, Any]) -> None:
-    from essa.backends.hf import generate_texts
+    from essa.backends.generate import generate_texts
     from essa.config import GenerationConfig
     from essa.data.templates import render_prompt
 
@@ -91,7 +91,7 @@ def test_gguf_model_loads_and_generates(smollm2: dict[str, Any]) -> None:
 
 
 def test_missing_gguf_file_is_a_user_error(tmp_path: Path) -> None:
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
     from essa.config import ModelConfig
     from essa.errors import UserError
 
@@ -120,7 +120,7 @@ def test_gguf_converts_once_then_loads_the_cached_checkpoint(smollm2: dict[str, 
 
 def test_wheel_alias_without_the_wheel_says_how_to_install(monkeypatch) -> None:
     from essa.backends import gguf_cache
-    from essa.backends.hf import resolve_model_path
+    from essa.backends.models import resolve_model_path
     from essa.errors import UserError
 
     monkeypatch.setitem(

@@ -44,7 +44,7 @@ def load_adapter(adapter_dir: str) -> torch.nn.Module:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from essa.backends.hf import resolve_model_path
+    from essa.backends.models import resolve_model_path
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:demo"))
     return PeftModel.from_pretrained(base, adapter_dir)

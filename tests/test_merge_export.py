@@ -59,7 +59,7 @@ def test_merged_model_matches_adapter(run_dir: Path, tmp_path: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from essa.backends.hf import resolve_model_path
+    from essa.backends.models import resolve_model_path
 
     out = tmp_path / "merged"
     res = essa("export", str(run_dir), "--merged", str(out))
@@ -112,7 +112,7 @@ def test_merged_model_stops_where_generation_stops(tiny_model_dir: Path, tmp_pat
     import shutil
 
     from essa.adapters.merge_export import export_merged
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
     from essa.backends.stops import stop_token_ids
     from essa.config import AdapterConfig, load_config
     from essa.gradient.sft import make_lora_model

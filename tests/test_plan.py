@@ -66,7 +66,7 @@ def test_a_fixed_length_too_short_for_the_references_warns_with_the_numbers() ->
 
 
 def test_resolve_lengths_measures_on_the_models_tokenizer() -> None:
-    from essa.backends.hf import load_tokenizer
+    from essa.backends.models import load_tokenizer
     from essa.config import ModelConfig
 
     tokenizer = load_tokenizer(ModelConfig())  # the bundled demo's real tokenizer
@@ -153,7 +153,7 @@ def test_a_budget_too_small_for_a_useful_search_is_one_line_saying_what_fits() -
 
 # ------------------------------------------------------------------------------ SFT limit
 def _sft_setup():  # type: ignore[no-untyped-def]
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
     from essa.config import AdapterConfig, ModelConfig
     from essa.data.loaders import builtin_examples
     from essa.gradient.sft import make_lora_model

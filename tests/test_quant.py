@@ -58,7 +58,7 @@ def quantized(request, tiny_model_dir: Path):  # type: ignore[no-untyped-def]
     if _MISSING is not None:
         pytest.skip(_MISSING)
     from essa.adapters import SVDAdapter
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
 
     model, tokenizer = load_model(
         ModelConfig(name_or_path=str(tiny_model_dir), quantization=request.param)
@@ -163,7 +163,7 @@ def test_qlora_sft_after_no_grad_eval(tiny_model_dir: Path, mode: str, repacked:
     load_model); on CPUs with AVX512-BF16 the eval pass then repacks the 4-bit weights and
     train_sft must undo it. Elsewhere that case runs like the first.
     """
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
     from essa.gradient.sft import make_lora_model, train_sft
     from essa.types import Example
 
@@ -204,7 +204,7 @@ def test_export_from_int4_loads_on_fp32_base(quantized, tmp_path: Path) -> None:
     from peft import PeftModel
 
     from essa.adapters import merged_candidate
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
 
     _, model, tokenizer, adapter, population = quantized
     out = adapter.export_peft(population[0], tmp_path / "adapter", base_model_name_or_path="x")
@@ -227,8 +227,8 @@ def test_export_from_int4_loads_on_fp32_base(quantized, tmp_path: Path) -> None:
 @needs_bnb
 def test_model_bytes_int4_at_most_035_of_fp32() -> None:
     """Quantised layers (every *_proj of the demo model) in packed storage plus their scales."""
-    from essa.backends.hf import load_model
     from essa.backends.memory import model_bytes
+    from essa.backends.models import load_model
 
     sizes = {}
     for mode in ("none", "int8", "int4"):
@@ -269,7 +269,7 @@ def test_missing_bitsandbytes_is_one_line_exit_2(tmp_path: Path) -> None:
 
 def test_missing_bitsandbytes_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same check without the CLI, for API users; simulated with a None sys.modules entry."""
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
     from essa.errors import UserError
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
@@ -281,7 +281,7 @@ def test_missing_bitsandbytes_in_process(monkeypatch: pytest.MonkeyPatch) -> Non
 
 @needs_bnb
 def test_unsupported_device_fails_before_loading() -> None:
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
     from essa.errors import UserError
 
     with pytest.raises(UserError, match="bitsandbytes does not run on meta"):
@@ -296,7 +296,7 @@ def test_train_int4_end_to_end_records_memory(tmp_path: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from essa.backends.hf import resolve_model_path
+    from essa.backends.models import resolve_model_path
 
     run_dir = tmp_path / "run"
     small = [

@@ -403,7 +403,7 @@ class _RunsCode:
 
 
 def test_pickled_model_weights_never_run_code(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model_dir)
@@ -426,7 +426,7 @@ def test_pickled_model_weights_never_run_code(tiny_model_dir: Path, tmp_path: Pa
 
 
 def test_pickled_adapter_never_runs_code(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
     from essa.setup import load_peft_adapter
 
     adapter_dir = tmp_path / "adapter"
@@ -464,7 +464,7 @@ class CustomForCausalLM(Qwen2ForCausalLM):
 
 
 def test_remote_code_runs_only_when_trusted(tiny_model_dir: Path, tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model_dir)
@@ -479,7 +479,7 @@ def test_remote_code_runs_only_when_trusted(tiny_model_dir: Path, tmp_path: Path
         assert "trust_remote_code" in str(err)
     assert not marker.exists()
 
-    with caplog.at_level(logging.WARNING, logger="essa.backends.loading"):
+    with caplog.at_level(logging.WARNING, logger="essa.backends.models"):
         model, _ = load_model(ModelConfig(name_or_path=str(model_dir), trust_remote_code=True))
     assert marker.exists() and type(model).__name__ == "CustomForCausalLM"
     assert any("trust_remote_code is TRUE" in r.message for r in caplog.records)

@@ -97,7 +97,7 @@ def test_eval_output_writes_items_beside_aggregate(tmp_path: Path) -> None:
 def test_eval_pass_at_1_counts_full_credit_and_mean_score_keeps_partial() -> None:
     """A graded held-out metric (gym_score gives partial credit): pass@1 is the share of items
     with full credit, mean_score the mean as training reports it."""
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
     from essa.cli import _sample_metrics
     from essa.config import load_config
     from essa.data.task import load_task

@@ -36,7 +36,7 @@ def test_vllm_reads_the_model_generation_config(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
     from essa.config import ModelConfig
 
     return load_model(ModelConfig(name_or_path=str(tiny_model_dir)))
@@ -44,7 +44,7 @@ def tiny(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
 
 def test_hf_stops_at_the_model_end_of_turn_token(tiny) -> None:  # type: ignore[no-untyped-def]
     """A model whose generation_config names a stop id the tokenizer's EOS is not."""
-    from essa.backends.hf import generate_texts
+    from essa.backends.generate import generate_texts
 
     model, tokenizer = tiny
     prompts = ["12+3=", "7+45="]

@@ -103,7 +103,7 @@ def test_train_writes_run_dir_and_loadable_adapter(three_generations: tuple[Path
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from essa.backends.hf import resolve_model_path
+    from essa.backends.models import resolve_model_path
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:demo"))
     model = PeftModel.from_pretrained(base, summary["adapter_dir"])

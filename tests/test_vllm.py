@@ -118,7 +118,7 @@ def equivalence(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     from essa.adapters import SVDAdapter
     from essa.backends.evaluator import PopulationEvaluator
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
     from essa.data.loaders import builtin_examples
     from essa.es.start import scale_vector
     from essa.gradient.sft import make_lora_model, save_adapter

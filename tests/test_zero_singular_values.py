@@ -72,7 +72,7 @@ def save_lora(model_dir: Path, out: Path, *, trained: bool):  # type: ignore[no-
     else PEFT's initialisation (B = 0), as ``sft.steps: 0`` leaves it.
     """
     from essa.adapters import SVDAdapter
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
     from essa.config import AdapterConfig, ModelConfig
     from essa.gradient.sft import make_lora_model
 

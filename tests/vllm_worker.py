@@ -22,7 +22,7 @@ def main(request_path: str) -> None:
     from peft import PeftModel
 
     from essa.adapters import SVDAdapter
-    from essa.backends.hf import load_model
+    from essa.backends.models import load_model
     from essa.backends.vllm import VLLMEvaluator
     from essa.config import load_config
 

@@ -71,7 +71,7 @@ def merge_adapter(base: Any, adapter_dir: Path) -> Any:
 
 def export_merged(cfg: Config, adapter_dir: Path, out_dir: Path) -> MergedExport:
     """Merge ``adapter_dir`` into the base of ``cfg`` and save it as a plain checkpoint."""
-    from essa.backends.loading import load_model
+    from essa.backends.models import load_model
     from essa.rundir import atomic_dir
 
     note = None

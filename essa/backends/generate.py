@@ -27,7 +27,7 @@ from essa.backends.decode import (
     stop_lengths,
     supports_row_dropping,
 )
-from essa.backends.loading import model_device
+from essa.backends.models import model_device
 from essa.backends.sampling import RowPicker
 from essa.backends.stops import stop_token_ids
 from essa.config import GenerationConfig

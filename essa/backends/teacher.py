@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from essa.adapters import PopulationLoRA, SVDAdapter, candidate_rows
-from essa.backends.loading import model_device
+from essa.backends.models import model_device
 
 
 def encode_pairs(

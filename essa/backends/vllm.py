@@ -281,7 +281,7 @@ def open_evaluator(
 
     import torch
 
-    from essa.backends.loading import resolve_model_path
+    from essa.backends.models import resolve_model_path
 
     gc.collect()  # the HF copy of the base (SFT, SVD) must be gone before vLLM sizes its memory
     if torch.cuda.is_available():

@@ -80,7 +80,7 @@ def check_prompt_template(cfg: Config) -> None:
     render it, before the model loads: the tokenizer alone loads in about a second, a GGUF not
     converted yet is read for its header only. A real tokenizer renders one question, so that a
     chat template that fails on its own (e.g. no system role) is caught here too."""
-    from essa.backends.loading import template_tokenizer
+    from essa.backends.models import template_tokenizer
     from essa.data.templates import check_template, render_prompt
 
     d = cfg.data

@@ -115,7 +115,7 @@ def train_sft(
         raise UserError(
             "data: no examples left for the SFT stage (data.sft_size is 0 or the data is empty)"
         )
-    from essa.backends.loading import undo_cpu_weight_packing
+    from essa.backends.models import undo_cpu_weight_packing
 
     # QLoRA: a 4-bit base that already ran an eval pass under no_grad on CPU must be unpacked,
     # or the first training forward fails (infra.md §4).
