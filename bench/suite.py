@@ -4,7 +4,7 @@
     python -m bench --all            # SUITE and ON_DEMAND
     python -m bench NAME [NAME ...]  # those benchmarks only (with their suite arguments)
     python -m bench --report-only    # re-render docs/performance.md and the plots, run nothing
-    python -m bench --list
+    python -m bench --list           # every benchmark and study, with its command
 
 Each benchmark runs in a fresh process (``python -m bench.<name> ARGS``), so its memory, threads
 and imports do not leak into the next; a failing one is logged and the others still run. Every
@@ -67,6 +67,18 @@ ON_DEMAND: list[tuple[str, list[str]]] = [
     ("generation_speed", []),  # one generation on a long-prompt task, 3 variants (~12 min)
     ("gpu_check", []),  # needs a GPU (< 8 min); on CPU: --device cpu --tiny
 ]
+# Studies: algorithm comparisons on held-out accuracy, written up in docs/results.md (their own
+# .md tables and plots), not in docs/performance.md; `python -m bench NAME` runs one. Hours each.
+STUDIES: list[tuple[str, list[str]]] = [
+    ("real_model", ["--seeds", "0", "1", "2"]),  # SmolLM2 on reasoning-gym tasks, vs GRPO
+    ("real_model_ablation", ["--seeds", "0", "1", "2"]),  # one change at a time, real model
+    ("signal", ["--seeds", "0", "1", "2"]),  # informative prompts and process rewards
+    ("grpo_options", ["--seeds", "0", "1", "2"]),  # the gradient backend's options vs plain GRPO
+    ("label_free", ["--seeds", "0", "1", "2"]),  # TTRL's vote and RLSC vs labels
+    ("mutation", ["--per-module", "5", "--seed", "0"]),  # do the tests catch injected bugs
+]
+# Modules that serve the benchmarks rather than measure: run by them, or by hand before them.
+HELPERS = ("common", "suite", "gguf_to_safetensors", "tiny_prm")
 
 
 def thread_args(name: str, threads: int | None) -> list[str]:
@@ -287,7 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for n, (a, s) in table.items():
             print(f"{n:22s} {'suite' if s else 'on demand':9s} python -m bench.{n} {' '.join(a)}")
+        for n, a in STUDIES:
+            print(f"{n:22s} {'study':9s} python -m bench.{n} {' '.join(a)}")
         return 0
+    if len(args.names) == 1 and args.names[0] in dict(STUDIES):
+        name = args.names[0]
+        return 0 if run_one(name, dict(STUDIES)[name])["exit_code"] == 0 else 1
     unknown = [n for n in args.names if n not in table]
     if unknown:
         print(f"error: unknown benchmark(s) {', '.join(unknown)}; see --list", file=sys.stderr)

@@ -145,6 +145,15 @@ def test_report_only_lists_every_benchmark(tmp_path: Path, monkeypatch: pytest.M
     assert text.count("not run yet") == len(suite.known()) - 1
 
 
+def test_every_bench_module_is_listed_in_one_place() -> None:
+    """bench/ is a suite: each module is a benchmark of SUITE or ON_DEMAND, a study, or a named
+    helper; a driver listed nowhere is a one-off that would rot."""
+    modules = {p.stem for p in (REPO / "bench").glob("*.py")} - {"__init__", "__main__"}
+    listed = {n for n, _, _ in suite.known()} | {n for n, _ in suite.STUDIES} | set(suite.HELPERS)
+    assert modules - listed == set(), "not listed in bench/suite.py"
+    assert listed - modules == set(), "listed in bench/suite.py but missing"
+
+
 def test_unknown_benchmark_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert suite.main(["no_such_bench"]) == 2
     err = capsys.readouterr().err
