@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import subprocess
 import sys
 import time
@@ -27,6 +28,11 @@ from bench.common import RESULTS, Row, compact_png, read_result, row
 
 BENCH_DIR = Path(__file__).resolve().parent
 DOC = Path("docs/performance.md")
+# docs/results.md is prose around the studies' own tables: each block between
+# "<!-- table: bench/results/NAME.md -->" and "<!-- end table -->" is that file's table, copied
+# in by `python -m bench --report-only` (and by any run), never edited by hand.
+RESULTS_DOC = Path("docs/results.md")
+TABLE_BLOCK = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
 LOGS = Path("runs/bench-suite")
 BUDGET_SECONDS = 15 * 60
 # Benchmarks that need another interpreter (vLLM lives in its own venv: launch/setup_vllm_cpu.sh).
@@ -275,12 +281,28 @@ def plot_throughput(path: Path) -> bool:
     return True
 
 
+def study_table(path: Path) -> str:
+    """The markdown table of a study's ``bench/results/<name>.md`` (its table lines only)."""
+    lines = [line for line in path.read_text().splitlines() if line.startswith("|")]
+    if not lines:
+        raise ValueError(f"{path} holds no table")
+    return "\n".join(lines) + "\n"
+
+
+def sync_tables(text: str, root: Path = Path(".")) -> str:
+    """``text`` with every table block refreshed from the file it names."""
+    return TABLE_BLOCK.sub(lambda m: m.group(1) + study_table(root / m.group(2)) + m.group(4), text)
+
+
 def write_report(ran_now: set[str]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     plot_throughput(RESULTS / "throughput.png")
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text(render(ran_now))
     print(f"[bench] wrote {DOC}", flush=True)
+    if RESULTS_DOC.exists():
+        RESULTS_DOC.write_text(sync_tables(RESULTS_DOC.read_text()))
+        print(f"[bench] refreshed the study tables of {RESULTS_DOC}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

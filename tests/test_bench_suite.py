@@ -145,6 +145,24 @@ def test_report_only_lists_every_benchmark(tmp_path: Path, monkeypatch: pytest.M
     assert text.count("not run yet") == len(suite.known()) - 1
 
 
+def test_results_page_tables_are_the_studies_own() -> None:
+    """docs/results.md's tables are copied from the studies' files, so they cannot drift."""
+    text = (REPO / "docs" / "results.md").read_text()
+    blocks = suite.TABLE_BLOCK.findall(text)
+    assert len(blocks) >= 7
+    assert suite.sync_tables(text, REPO) == text, "run: python -m bench --report-only"
+
+
+def test_sync_tables_replaces_a_stale_block(tmp_path: Path) -> None:
+    (tmp_path / "study.md").write_text("Title\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    stale = "x\n<!-- table: study.md -->\n| a |\n|---|\n| 0 |\n<!-- end table -->\ny\n"
+    fresh = suite.sync_tables(stale, tmp_path)
+    assert (
+        fresh
+        == "x\n<!-- table: study.md -->\n| a | b |\n|---|---|\n| 1 | 2 |\n<!-- end table -->\ny\n"
+    )
+
+
 def test_every_bench_module_is_listed_in_one_place() -> None:
     """bench/ is a suite: each module is a benchmark of SUITE or ON_DEMAND, a study, or a named
     helper; a driver listed nowhere is a one-off that would rot."""
