@@ -3,6 +3,7 @@ the source-weight update through the softmax and one LISA-AdamW step on a weight
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -12,8 +13,10 @@ import torch
 
 from essa.config import DataConfig, ScaleBiOConfig
 from essa.errors import UserError
-from essa.gradient.data import TaskData
-from essa.gradient.optim import clip_gradients
+from essa.gradient.checkpoint import Trained
+from essa.gradient.data import TaskData, draw
+from essa.gradient.optim import clip_gradients, lisa_optimizer
+from essa.gradient.policy import Policy
 from essa.types import Example
 
 if TYPE_CHECKING:
@@ -100,6 +103,49 @@ class Mixture:
             validation_prompts=render(task.sft),
             heldout=TaskData.heldout(task, data, tokenizer),
         )
+
+    def batches(self, size: int, seed: int, step: int) -> tuple[list[Batch], Batch]:
+        """The step's draws: ``size`` examples of every source, then of the validation set,
+        without replacement, seeded by (seed, step, stream)."""
+        out = []
+        for k, examples in enumerate(self.sources):
+            idx = draw(len(examples), size, seed, "scalebio.batches", step, k)
+            out.append(([examples[i] for i in idx], [self.source_prompts[k][i] for i in idx]))
+        k = len(self.sources)
+        idx = draw(len(self.validation), size, seed, "scalebio.batches", step, k)
+        return out, ([self.validation[i] for i in idx], [self.validation_prompts[i] for i in idx])
+
+
+@dataclass
+class Models:
+    """theta (the upper-level model, exported) and u (the lower-level solver), each with LISA."""
+
+    theta: Any
+    u: Any
+    theta_optimizer: LisaOptimizer
+    u_optimizer: LisaOptimizer
+
+    @classmethod
+    def build(cls, s: ScaleBiOConfig, seed: int, model: Any) -> Models:
+        """theta is ``model``, u a deep copy of it."""
+        models = [model.eval(), copy.deepcopy(model).eval()]
+        # One seed for both: theta and u train the same blocks in an interval.
+        optimizers = [
+            lisa_optimizer(m, s.lisa, seed, s.lr, s.weight_decay, "scalebio.lisa") for m in models
+        ]
+        return cls(models[0], models[1], optimizers[0], optimizers[1])
+
+    @property
+    def policy(self) -> Policy:
+        """theta seen as a policy, for the held-out pass."""
+        return Policy(self.theta, list(self.theta.parameters()), [])
+
+    def trained(self) -> list[Trained]:
+        missing = "the checkpoint does not match this model"
+        return [
+            Trained("theta", list(self.theta.parameters()), self.theta_optimizer, missing),
+            Trained("u", list(self.u.parameters()), self.u_optimizer, missing),
+        ]
 
 
 def sft_loss(

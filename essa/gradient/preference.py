@@ -1,4 +1,4 @@
-"""Preference pairs and DPO's loss (Rafailov et al., arXiv 2305.18290; docs/dpo-scalebio.md).
+"""Preference pairs (from a file, or sampled online) and DPO's loss (Rafailov et al., arXiv 2305.18290; docs/dpo-scalebio.md).
 
 Sequence log-probs are sums over the completion tokens up to and including EOS (as TRL), on
 untempered logits; label smoothing is cDPO's (Mitchell 2023).
@@ -6,15 +6,23 @@ untempered logits; label smoothing is cDPO's (Mitchell 2023).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from essa import seeding
 from essa.config import DPOConfig
-from essa.gradient.policy import Rollout, token_logprobs
+from essa.gradient.data import TaskData, draw
+from essa.gradient.policy import Policy, Rollout, Sampling, rollout, select, token_logprobs
+from essa.rewards.base import Reward, score
+from essa.types import PreferencePair
+
+if TYPE_CHECKING:
+    from essa.harness import Phase
 
 
 class DPOLoss(NamedTuple):
@@ -107,3 +115,56 @@ def pick_pairs(rewards: np.ndarray) -> list[tuple[int, int, int]]:
         if row[best] > row[worst]:
             out.append((i, int(best), int(worst)))
     return out
+
+
+def file_batch(
+    pairs: Sequence[PreferencePair],
+    prompts: Sequence[str],
+    tokenizer: Any,
+    d: DPOConfig,
+    seed: int,
+    step: int,
+) -> tuple[Rollout, dict[str, Any]]:
+    """The step's pairs from the file: a draw without replacement seeded by (seed, step)."""
+    idx = draw(len(pairs), d.pairs_per_step, seed, "dpo.file_pairs", step)
+    chosen = [pairs[i].chosen for i in idx]
+    rejected = [pairs[i].rejected for i in idx]
+    rows = [prompts[i] for i in idx]
+    return encode_pairs(tokenizer, rows, chosen, rejected), {"pairs": len(idx)}
+
+
+def online_batch(
+    d: DPOConfig,
+    sampling: Sampling,
+    seed: int,
+    policy: Policy,
+    tokenizer: Any,
+    reward: Reward,
+    data: TaskData,
+    step: int,
+    round_bar: Callable[[int], Phase],
+) -> tuple[Rollout | None, dict[str, Any]]:
+    """Sample k completions of the step's prompts, score, pair best with worst per prompt (the
+    common RLVR-to-DPO recipe; rows: the n chosen, then their n rejected)."""
+    k = d.samples_per_prompt
+    idx = draw(len(data.train), d.pairs_per_step, seed, "dpo.prompts", step)
+    prompts = [data.train_prompts[i] for i in idx for _ in range(k)]
+    answers = [data.train[i].answer for i in idx for _ in range(k)]
+    with round_bar(len(prompts)) as bar:
+        out = rollout(
+            policy, tokenizer, prompts, sampling, seeding.seed_int(seed, "dpo.sampling", step),
+            progress=bar.advance,
+        )  # fmt: skip
+    keys = [(seed, step, i, j) for i in range(len(idx)) for j in range(k)]
+    scores = score(reward, out.texts, answers, prompts, keys)
+    rewards = np.array([math.nan if s is None else float(s) for s in scores]).reshape(-1, k)
+    chosen = pick_pairs(rewards)  # (N, k) -> pairs
+    stats = {
+        "pairs": len(chosen),
+        "mean_reward": float(np.nanmean(rewards)) if np.isfinite(rewards).any() else math.nan,
+        "new_tokens": int((out.completion_ids != tokenizer.pad_token_id).sum()),
+    }
+    if not chosen:
+        return None, stats
+    rows = [i * k + c for i, c, _ in chosen] + [i * k + r for i, _, r in chosen]
+    return select(out, torch.tensor(rows)), stats

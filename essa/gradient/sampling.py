@@ -30,6 +30,7 @@ from essa.gradient.data import TaskData, draw
 from essa.gradient.policy import Policy, Rollout, Sampling, merge, rollout, select
 from essa.gradient.prm_credit import step_credit
 from essa.rewards.base import DrawKey, Reward, score
+from essa.types import Example
 
 if TYPE_CHECKING:
     from essa.config import DataConfig
@@ -87,7 +88,7 @@ def informative_prompts(
     from essa.data.selection import Informative
     from essa.data.task import render_prompts
 
-    def render(examples: list[Any]) -> list[str]:
+    def render(examples: list[Example]) -> list[str]:
         return render_prompts(examples, d.template, tokenizer, d.system_prompt)
 
     return Informative.build(d, seed, group_size, render, state)

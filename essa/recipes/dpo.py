@@ -26,27 +26,23 @@ Deviations from the paper and project choices:
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from essa import seeding
 from essa.config import Config, to_dict
 from essa.dist import Comm
 from essa.errors import UserError
 from essa.gradient import checkpoint
-from essa.gradient.data import TaskData, draw
+from essa.gradient.data import TaskData
 from essa.gradient.heldout import baseline_state, heldout_accuracy
 from essa.gradient.optim import clip_gradients, lr_factor, make_optimizer
-from essa.gradient.policy import Policy, Rollout, Sampling, rollout, select
-from essa.gradient.preference import dpo_loss, encode_pairs, pick_pairs, sequence_logprobs
-from essa.harness import Harness, Phase
-from essa.rewards.base import DRAW_KEYS, Reward, score
+from essa.gradient.policy import Policy, Rollout, Sampling
+from essa.gradient.preference import dpo_loss, file_batch, online_batch, sequence_logprobs
+from essa.harness import Harness
+from essa.rewards.base import DRAW_KEYS
 from essa.types import Example, PreferencePair
 
 if TYPE_CHECKING:
@@ -89,7 +85,8 @@ def run(
         policy = Policy.build(peft_model, d.trainable, cfg.adapter.alpha, use_reference=True)
         optimizer = make_optimizer(policy, d, cfg.run.seed, "dpo")
         trained = [checkpoint.Trained("policy", policy.params, optimizer)]
-        data = TaskData.build(task, cfg.data, tokenizer)
+        # grpo.train_examples and grpo.entropy.floor (below) act on DPO too, as they always have
+        data = TaskData.build(task, cfg.data, tokenizer, cfg.grpo.train_examples)
         pair_prompts = None
         if pairs is not None:
             questions = [Example(prompt=p.prompt) for p in pairs]
@@ -97,6 +94,7 @@ def run(
                 questions, cfg.data.template, tokenizer, cfg.data.system_prompt
             )
         ev = (cfg.generation, cfg.evaluation.micro_batch_size)
+        sampling = Sampling(*ev, d.temperature, cfg.grpo.entropy.floor)
         state = checkpoint.load(run_dir, trained) if resume else None
         state = h.restore(state, done=state["step"] if state else 0)
         if state is None:
@@ -112,12 +110,15 @@ def run(
             start = time.perf_counter()
             batch: Rollout | None
             if pairs is not None and pair_prompts is not None:
-                batch, stats = file_batch(pairs, pair_prompts, tokenizer, cfg, step.index)
+                batch, stats = file_batch(
+                    pairs, pair_prompts, tokenizer, d, cfg.run.seed, step.index
+                )
             else:
                 assert reward is not None
                 batch, stats = online_batch(
-                    cfg, policy, tokenizer, reward, data, step.index, step.progress
-                )
+                    d, sampling, cfg.run.seed, policy, tokenizer, reward, data, step.index,
+                    step.progress,
+                )  # fmt: skip
             record: dict[str, Any] = {"generation": step.index, **stats}
             record.update(train_step(cfg, policy, optimizer, batch, step.index))
             record["seconds"] = round(time.perf_counter() - start, 4)
@@ -172,54 +173,6 @@ def train_step(
         "grad_norm": norm,
         "lr": optimizer.param_groups[0]["lr"],
     }
-
-
-def file_batch(
-    pairs: Sequence[PreferencePair], prompts: Sequence[str], tokenizer: Any, cfg: Config, step: int
-) -> tuple[Rollout, dict[str, Any]]:
-    """The step's pairs from the file: a draw without replacement seeded by (seed, step)."""
-    idx = draw(len(pairs), cfg.dpo.pairs_per_step, cfg.run.seed, "dpo.file_pairs", step)
-    chosen = [pairs[i].chosen for i in idx]
-    rejected = [pairs[i].rejected for i in idx]
-    rows = [prompts[i] for i in idx]
-    return encode_pairs(tokenizer, rows, chosen, rejected), {"pairs": len(idx)}
-
-
-def online_batch(
-    cfg: Config,
-    policy: Policy,
-    tokenizer: Any,
-    reward: Reward,
-    data: TaskData,
-    step: int,
-    round_bar: Callable[[int], Phase],
-) -> tuple[Rollout | None, dict[str, Any]]:
-    """Sample k completions of the step's prompts, score, pair best with worst per prompt."""
-    d = cfg.dpo
-    k = d.samples_per_prompt
-    idx = draw(len(data.train), d.pairs_per_step, cfg.run.seed, "dpo.prompts", step)
-    prompts = [data.train_prompts[i] for i in idx for _ in range(k)]
-    answers = [data.train[i].answer for i in idx for _ in range(k)]
-    seed = seeding.seed_int(cfg.run.seed, "dpo.sampling", step)
-    # grpo.entropy.floor: DPO samples as GRPO's rollouts do (0, the default: no floor)
-    sampling = Sampling(
-        cfg.generation, cfg.evaluation.micro_batch_size, d.temperature, cfg.grpo.entropy.floor
-    )
-    with round_bar(len(prompts)) as bar:
-        out = rollout(policy, tokenizer, prompts, sampling, seed, progress=bar.advance)
-    keys = [(cfg.run.seed, step, i, j) for i in range(len(idx)) for j in range(k)]
-    scores = score(reward, out.texts, answers, prompts, keys)
-    rewards = np.array([math.nan if s is None else float(s) for s in scores]).reshape(-1, k)
-    chosen = pick_pairs(rewards)  # (N, k) -> pairs
-    stats = {
-        "pairs": len(chosen),
-        "mean_reward": float(np.nanmean(rewards)) if np.isfinite(rewards).any() else math.nan,
-        "new_tokens": int((out.completion_ids != tokenizer.pad_token_id).sum()),
-    }
-    if not chosen:
-        return None, stats
-    rows = [i * k + c for i, c, _ in chosen] + [i * k + r for i, _, r in chosen]
-    return select(out, torch.tensor(rows)), stats
 
 
 def _finish(

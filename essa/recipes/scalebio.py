@@ -33,27 +33,26 @@ Deviations from the paper and project choices:
 
 from __future__ import annotations
 
-import copy
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from essa.config import Config, to_dict
 from essa.dist import Comm
 from essa.gradient import checkpoint
-from essa.gradient.bilevel import Mixture, load_sources, softmax, weight_update, weighted_step
-from essa.gradient.data import draw
+from essa.gradient.bilevel import (
+    Mixture,
+    Models,
+    load_sources,
+    softmax,
+    weight_update,
+    weighted_step,
+)
 from essa.gradient.heldout import baseline_state, heldout_accuracy
-from essa.gradient.optim import lisa_optimizer
-from essa.gradient.policy import Policy
 from essa.harness import Harness
 from essa.rundir import atomic_dir
-
-if TYPE_CHECKING:
-    from essa.gradient.lisa import LisaOptimizer
 
 
 def run(
@@ -78,7 +77,7 @@ def run(
         model, tokenizer = setup.load_base_model(cfg, h)
         cfg, _ = setup.resolve_lengths(cfg, tokenizer, task, h.say)
         base_bytes = model_bytes(model)
-        models = _Models.build(cfg, model)
+        models = Models.build(cfg.scalebio, cfg.run.seed, model)
         data = Mixture.build(cfg.data, task, sources, tokenizer)
         ev = (cfg.generation, cfg.evaluation.micro_batch_size)
         state = checkpoint.load(run_dir, models.trained()) if resume else None
@@ -104,56 +103,15 @@ def run(
         return _finish(cfg, h, models, tokenizer, data, state)
 
 
-@dataclass
-class _Models:
-    """theta (the upper-level model, exported) and u (the lower-level solver), each with LISA."""
-
-    theta: Any
-    u: Any
-    theta_optimizer: LisaOptimizer
-    u_optimizer: LisaOptimizer
-
-    @classmethod
-    def build(cls, cfg: Config, model: Any) -> _Models:
-        s = cfg.scalebio
-        models = [model.eval(), copy.deepcopy(model).eval()]
-        # One seed for both: theta and u train the same blocks in an interval.
-        optimizers = [
-            lisa_optimizer(m, s.lisa, cfg.run.seed, s.lr, s.weight_decay, "scalebio.lisa")
-            for m in models
-        ]
-        return cls(models[0], models[1], optimizers[0], optimizers[1])
-
-    @property
-    def policy(self) -> Policy:
-        """theta seen as a policy, for the held-out pass."""
-        return Policy(self.theta, list(self.theta.parameters()), [])
-
-    def trained(self) -> list[checkpoint.Trained]:
-        missing = "the checkpoint does not match this model"
-        return [
-            checkpoint.Trained(
-                "theta", list(self.theta.parameters()), self.theta_optimizer, missing
-            ),
-            checkpoint.Trained("u", list(self.u.parameters()), self.u_optimizer, missing),
-        ]
-
-
 def train_step(
-    cfg: Config, models: _Models, tokenizer: Any, data: Mixture, state: dict[str, Any], step: int
+    cfg: Config, models: Models, tokenizer: Any, data: Mixture, state: dict[str, Any], step: int
 ) -> dict[str, Any]:
     """The three simultaneous updates of the module docstring; returns the step's record."""
     s = cfg.scalebio
     start = time.perf_counter()
     logits = np.asarray(state["logits"], dtype=np.float64)  # (K,)
     w = softmax(logits)
-    batches = []
-    for k, examples in enumerate(data.sources):
-        idx = draw(len(examples), s.batch_size, cfg.run.seed, "scalebio.batches", step, k)
-        batches.append(([examples[i] for i in idx], [data.source_prompts[k][i] for i in idx]))
-    k = len(data.sources)
-    idx = draw(len(data.validation), s.batch_size, cfg.run.seed, "scalebio.batches", step, k)
-    validation = ([data.validation[i] for i in idx], [data.validation_prompts[i] for i in idx])
+    batches, validation = data.batches(s.batch_size, cfg.run.seed, step)
     # Gradients accumulate source by source, so only one source's graph is alive at a time.
     loss_u = weighted_step(models.u, models.u_optimizer, tokenizer, batches, w, None, s)
     loss_theta = weighted_step(
@@ -178,7 +136,7 @@ def train_step(
 
 
 def _finish(
-    cfg: Config, h: Harness, models: _Models, tokenizer: Any, data: Mixture, state: dict[str, Any]
+    cfg: Config, h: Harness, models: Models, tokenizer: Any, data: Mixture, state: dict[str, Any]
 ) -> dict[str, Any]:
     """Evaluate theta on the held-out split, export it with the tokenizer, write the summary."""
     from essa.backends.memory import memory_metrics
