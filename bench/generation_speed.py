@@ -116,13 +116,14 @@ def _is_prefix(kwargs: dict[str, Any]) -> bool:
 
 def setup(args: argparse.Namespace) -> dict[str, Any]:
     """Model, tokenizer, SVD adapter, population, prompts, references and the reward."""
+    from essa.adapters.svd import svd_adapter
     from essa.backends.models import load_model
     from essa.config import load_config
     from essa.data.task import load_task, render_prompts
     from essa.es.optimizer import make_es_optimizer
     from essa.gradient.sft import make_lora_model, train_sft
     from essa.rewards.loading import load_reward
-    from essa.setup import load_peft_adapter, resolve_lengths, svd_adapter
+    from essa.setup import load_peft_adapter, resolve_lengths
 
     overrides = [o.format(task=args.task) for o in TASK_OVERRIDES]
     cfg = load_config("configs/smollm2.yaml", overrides)

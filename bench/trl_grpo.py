@@ -7,7 +7,7 @@ builds the same base model, SFT adapter (``adapter.path``, else the SFT stage tr
 `essa train` does), the same training prompts rendered with the same template, the same reward
 and the same held-out split, and trains that adapter with TRL 1.16's ``GRPOTrainer`` (CPU,
 ``use_vllm=False``, fp32, ``report_to="none"``). Held-out accuracy is measured greedily with our
-own evaluation code (``essa.recipes.grpo.heldout_accuracy``'s helpers) before training, every
+own evaluation code (``essa.gradient.heldout.heldout_accuracy``'s helpers) before training, every
 ``evaluation.every`` steps and at the end, outside the timed steps. The run directory gets
 ``metrics.jsonl`` and ``summary.json`` in our format (so ``essa compare`` reads it next to ESSA
 and GRPO runs) and the trained adapter; bench/results/trl_grpo.json gets the summary, the TRL
@@ -154,7 +154,7 @@ def run(cfg: Any, run_dir: Path, console: Any = print) -> dict[str, Any]:
     from essa.backends.models import load_model
     from essa.config import dump_config
     from essa.data.task import load_task
-    from essa.recipes.grpo import _Data
+    from essa.gradient.data import TaskData
     from essa.rewards.base import DRAW_KEYS
     from essa.rewards.loading import load_reward
     from essa.rundir import MetricsLog, atomic_write_json
@@ -169,7 +169,7 @@ def run(cfg: Any, run_dir: Path, console: Any = print) -> dict[str, Any]:
     base_bytes = model_bytes(model)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     peft_model, sft_dir = load_or_train_adapter(cfg, model, tokenizer, task, run_dir)
-    data = _Data.build(task, cfg, tokenizer)
+    data = TaskData.build(task, cfg.data, tokenizer, cfg.grpo.train_examples)
     metrics = MetricsLog(run_dir / "metrics.jsonl")
     metrics.truncate_after(-2)
     baseline = evaluate(peft_model, tokenizer, data, cfg)

@@ -262,7 +262,9 @@ def sft(
     if cfg.sft.trainable != "lora":
         from essa.gradient.lisa import train_base_model
 
-        model_dir, losses = train_base_model(cfg, model, tokenizer, task, directory)
+        model_dir, losses = train_base_model(
+            cfg.sft, cfg.data, cfg.run.seed, model, tokenizer, task, directory
+        )
         typer.echo(f"SFT ({cfg.sft.trainable}): loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         typer.echo(f"SFT model: {model_dir}")
         return

@@ -704,13 +704,9 @@ class Step:
 
 def write_json_checkpoint(run_dir: Path, data: JSONDict, step: int) -> None:
     """RUN_DIR/checkpoint.json, replaced atomically (plain JSON: nothing read back is executed)."""
-    from essa.faults import checkpoint_fault
+    from essa.rundir import before_checkpoint
 
-    atomic_write_json(
-        run_dir / "checkpoint.json",
-        data,
-        before_rename=checkpoint_fault(step),  # None unless ESSA_FAULT is set (tests)
-    )
+    atomic_write_json(run_dir / "checkpoint.json", data, before_rename=before_checkpoint(step))
 
 
 def read_json_checkpoint(run_dir: Path, restore: Callable[[JSONDict], None]) -> JSONDict | None:

@@ -22,6 +22,11 @@ from essa.errors import UserError
 # message, rather than at the first checkpoint or adapter export.
 MIN_FREE_BYTES = 32 * 2**20
 
+# Set by the reliability tests only (tests/faults/sitecustomize.py, docs/reliability.md): called
+# with the step count of the checkpoint being written; the function it returns, if any, runs
+# after the temporary checkpoint is written and before it replaces the previous one.
+checkpoint_hook: Callable[[int], Callable[[], None] | None] | None = None
+
 
 class StorageError(UserError):
     """The run directory cannot be written (read-only, full, gone); the last checkpoint is intact."""
@@ -49,8 +54,8 @@ def atomic_write_text(
     """Write ``text`` to ``path`` through a synced temporary file and a rename.
 
     On failure (full disk, read-only filesystem) the temporary file is removed, ``path`` keeps
-    its previous content and :class:`StorageError` names the file. ``before_rename`` is the
-    fault-injection point of :mod:`essa.faults` (tests only).
+    its previous content and :class:`StorageError` names the file. ``before_rename`` runs after
+    the temporary file is synced, before the rename (:func:`before_checkpoint`).
     """
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -66,6 +71,11 @@ def atomic_write_text(
             tmp.unlink()
         raise storage_error(path, err) from None
     _fsync_dir(path.parent)
+
+
+def before_checkpoint(step: int) -> Callable[[], None] | None:
+    """What :data:`checkpoint_hook` injects into the checkpoint of ``step`` (None: nothing)."""
+    return None if checkpoint_hook is None else checkpoint_hook(step)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,6 @@ from essa.data.task import Task, render_prompts
 from essa.errors import UserError
 
 if TYPE_CHECKING:
-    from essa.adapters.svd import SVDAdapter
     from essa.dist import Comm
     from essa.es.plan import TaskLengths
     from essa.gradient.sft import SFTLimit
@@ -139,16 +138,6 @@ def adapter_on_every_rank(
             )
         loaded = load_or_train_adapter(cfg, model, tokenizer, task, h.run_dir, h.reporter)
     return loaded
-
-
-def svd_adapter(peft_model: Any, alpha: float) -> SVDAdapter:
-    """The SVD form of the model's LoRA; a config that selects nothing is one UserError line."""
-    from essa.adapters import SVDAdapter
-
-    try:
-        return SVDAdapter.from_peft_model(peft_model, alpha=alpha)
-    except ValueError as err:  # e.g. alpha * r selects no singular value of a given adapter
-        raise UserError(f"adapter: {err}") from None
 
 
 def load_peft_adapter(model: Any, path: str, key: str) -> Any:

@@ -24,6 +24,7 @@ import pytest
 
 if TYPE_CHECKING:
     from essa.config import Config
+    from essa.gradient.policy import Sampling
 
 CHARS = list("0123456789+-*= ")
 
@@ -346,3 +347,10 @@ def grpo_cfg(**grpo: Any) -> Config:
         generation=GenerationConfig(max_new_tokens=6),
         grpo=GRPOConfig(**{"temperature": 0.7, **grpo}),
     )
+
+
+def sampling(cfg: Config) -> Sampling:
+    """How GRPO's rollouts sample under ``cfg`` (grpo.temperature, grpo.entropy.floor)."""
+    from essa.gradient.policy import Sampling
+
+    return Sampling.for_grpo(cfg.grpo, cfg.generation, cfg.evaluation.micro_batch_size)

@@ -33,6 +33,8 @@ FORBIDDEN = {
     "essa.adapters": ("essa.recipes", "essa.harness"),
     "essa.data": ("essa.recipes", "essa.harness"),
     "essa.protocols": ("torch", "essa.backends", "essa.recipes"),
+    # The gradient toolkit sits below the recipes and takes config sections, never the Config.
+    "essa.gradient": ("essa.recipes", "essa.config.Config"),
     # The sandbox is standalone: no models, no numeric stack.
     "essa.tools": (
         "torch",
@@ -223,6 +225,17 @@ def test_private_uses_sees_both_forms(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text("from essa.backends import decode\nfrom essa.rundir import _x\ndecode._y\n")
     assert private_uses(probe) == ["probe.py:2 imports essa.rundir._x", "probe.py:3 uses decode._y"]
+
+
+def test_no_recipe_imports_another() -> None:
+    """A recipe is its algorithm's loop; what two recipes share lives below them."""
+    broken = []
+    for path in sorted((PACKAGE / "recipes").glob("*.py")):
+        own = module_name(path)
+        for imported in imports(path):
+            if imported.startswith("essa.recipes.") and not own.startswith(imported):
+                broken.append(f"{path.relative_to(ROOT)} imports {imported}")
+    assert not broken, "\n".join(broken)
 
 
 def test_recipes_take_no_any_parameters_of_our_own_types() -> None:

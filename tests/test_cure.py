@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from essa.config import Config, CureConfig, GRPOConfig
 from essa.gradient import cure
 from essa.gradient.policy import Policy, Rollout, token_logprobs
-from tests.conftest import grpo_cfg
+from tests.conftest import grpo_cfg, sampling
 from tests.test_grpo_e2e import SMALL, lora_changed, records
 from tests.test_train_e2e import essa, sets
 
@@ -82,7 +82,8 @@ def test_critical_tokens_from_hand_made_logits() -> None:
     out = hand_rollout()
     policy = Policy(model=FixedLogits(hand_logits()), params=[], reference=[])
     cfg = Config(grpo=GRPOConfig(temperature=0.5, grad_accumulation=2))  # two micro-batches
-    entropy = cure.rollout_entropy(policy, out, cfg)  # (3, 4)
+    g = cfg.grpo
+    entropy = cure.rollout_entropy(policy, out, g.temperature, g.grad_accumulation)  # (3, 4)
     h = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
     ln2, ln3, ln4 = math.log(2), math.log(3), math.log(4)
     expected = torch.tensor([[ln4, h, ln2, ln3], [ln4] * 4, [ln4, ln2, ln2, ln2]])
@@ -130,8 +131,12 @@ def test_branched_rollout_fills_each_group_with_originals_then_their_branches(ti
     cfg = cure_cfg(branches=1, top_k_tokens=3)  # G = 4: n1 = 2 originals, 1 branch each
     prompts = ["12+7="] * 4 + ["5+93="] * 4
     tally = cure.Tally()
-    out = cure.branched_rollout(policy, tokenizer, prompts, cfg, 11, tally=tally)
-    again = cure.branched_rollout(policy, tokenizer, prompts, cfg, 11, tally=cure.Tally())
+    out = cure.branched_rollout(
+        policy, tokenizer, prompts, sampling(cfg), 11, g=cfg.grpo, tally=tally
+    )
+    again = cure.branched_rollout(
+        policy, tokenizer, prompts, sampling(cfg), 11, g=cfg.grpo, tally=cure.Tally()
+    )
     assert torch.equal(out.input_ids, again.input_ids) and out.texts == again.texts  # seeded
     assert len(out.texts) == 8 and tally.branches == 4 and tally.critical + tally.fallbacks == 4
     t = out.completion_ids.shape[1]

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from essa.config import DPOConfig
-from essa.recipes.dpo import dpo_loss, encode_pairs, pick_pairs, sequence_logprobs
+from essa.gradient.preference import dpo_loss, encode_pairs, pick_pairs, sequence_logprobs
 from tests.test_train_e2e import essa, sets
 
 SMALL = [

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from essa.config import Config, GRPOConfig
-from essa.recipes.grpo import Policy, lr_factor, rollout, token_logprobs
-from tests.conftest import grpo_cfg
+from essa.gradient.policy import Policy, rollout, token_logprobs
+from essa.gradient.schedule import lr_factor
+from tests.conftest import grpo_cfg, sampling
 
 
 def test_token_logprobs_match_generate_with_left_padding(tiny_lora) -> None:  # type: ignore[no-untyped-def]
@@ -18,7 +19,7 @@ def test_token_logprobs_match_generate_with_left_padding(tiny_lora) -> None:  # 
     policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
     cfg = grpo_cfg()
     prompts = ["12+7=", "5+93=", "1+1="]  # different lengths: left padding differs per row
-    out = rollout(policy, tokenizer, prompts, cfg, seed=3)
+    out = rollout(policy, tokenizer, prompts, sampling(cfg), seed=3)
     t = out.completion_ids.shape[1]
     logp, entropy = token_logprobs(
         policy.model, out.input_ids, out.attention_mask, t, cfg.grpo.temperature
@@ -49,7 +50,7 @@ def test_token_logprobs_match_generate_with_left_padding(tiny_lora) -> None:  # 
 def test_rollout_mask_stops_after_first_eos(tiny_lora) -> None:  # type: ignore[no-untyped-def]
     peft_model, tokenizer = tiny_lora
     policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
-    out = rollout(policy, tokenizer, ["3+4="] * 16, grpo_cfg(), seed=0)
+    out = rollout(policy, tokenizer, ["3+4="] * 16, sampling(grpo_cfg()), seed=0)
     eos = out.completion_ids == tokenizer.eos_token_id
     for row in range(16):
         hits = torch.nonzero(eos[row]).flatten()
@@ -103,10 +104,15 @@ def test_singular_values_export_reproduces_the_policy(tiny_lora, tmp_path: Path)
 def test_lr_schedule() -> None:
     cfg = Config(grpo=GRPOConfig(lr_schedule="cosine", lr_warmup_steps=2))
     cfg = Config(grpo=cfg.grpo, run=type(cfg.run)(generations=12))
-    assert [lr_factor(s, cfg) for s in (0, 1)] == [0.5, 1.0]
-    assert lr_factor(2, cfg) == pytest.approx(1.0)
-    assert lr_factor(7, cfg) == pytest.approx(0.5)
-    assert lr_factor(12, cfg) == pytest.approx(0.0)
+    g = cfg.grpo
+
+    def factor(step: int) -> float:
+        return lr_factor(step, cfg.run.generations, g.lr_warmup_steps, g.lr_schedule)
+
+    assert [factor(s) for s in (0, 1)] == [0.5, 1.0]
+    assert factor(2) == pytest.approx(1.0)
+    assert factor(7) == pytest.approx(0.5)
+    assert factor(12) == pytest.approx(0.0)
 
 
 @pytest.mark.parametrize(
@@ -146,11 +152,11 @@ def test_rollout_stops_at_the_model_end_of_turn_token(tiny_lora) -> None:  # typ
     model = copy.deepcopy(peft_model)
     policy = Policy.build(model, "lora", 1.0)
     cfg = grpo_cfg()
-    full = rollout(policy, tokenizer, ["3+4="] * 8, cfg, seed=0)
+    full = rollout(policy, tokenizer, ["3+4="] * 8, sampling(cfg), seed=0)
     end_of_turn = int(full.completion_ids[0, 0])  # row 0's first sampled token
     assert end_of_turn != tokenizer.eos_token_id
     model.generation_config.eos_token_id = [end_of_turn]
-    out = rollout(policy, tokenizer, ["3+4="] * 8, cfg, seed=0)
+    out = rollout(policy, tokenizer, ["3+4="] * 8, sampling(cfg), seed=0)
     assert int(out.mask[0].sum()) == 1 and not out.truncated[0]
     for row in range(8):  # every row ends at its first stop (EOS or the end-of-turn id)
         ids = out.completion_ids[row].tolist()

@@ -18,9 +18,9 @@ import torch
 from essa.config import Config, EntropyConfig, GenerationConfig, GRPOConfig
 from essa.gradient import losses as L
 from essa.gradient import replay as R
-from essa.gradient.policy import token_logprobs
-from essa.recipes.grpo import Policy, _Groups, _training_batch, rollout, temperature_at
-from tests.conftest import grpo_cfg
+from essa.gradient.policy import Policy, rollout, token_logprobs
+from essa.gradient.sampling import Groups, temperature_at, training_batch
+from tests.conftest import grpo_cfg, sampling
 
 NAN = math.nan
 H_075 = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))  # entropy of (0.75, 0.25): 0.5623
@@ -81,7 +81,7 @@ def test_replayed_rows_score_exactly_as_sampled(tiny_lora) -> None:  # type: ign
     policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
     cfg = grpo_cfg()
     prompts = ["12+7=", "5+93=", "1+1=", "12+7="]
-    out = rollout(policy, tokenizer, prompts, cfg, seed=3)
+    out = rollout(policy, tokenizer, prompts, sampling(cfg), seed=3)
     stored = R.successes(out, torch.ones(4), [0, 1, 2, 0], -math.inf)
     again = R.replay_rollout(tokenizer, prompts, stored)
     assert torch.equal(again.truncated, out.truncated)
@@ -98,10 +98,10 @@ def test_training_batch_puts_replays_after_the_fresh_rows(tiny_lora) -> None:  #
     peft_model, tokenizer = tiny_lora
     policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
     cfg = Config(generation=GenerationConfig(max_new_tokens=4))
-    out = rollout(policy, tokenizer, ["3+4="] * 2 + ["10+20="] * 2, cfg, seed=1)
+    out = rollout(policy, tokenizer, ["3+4="] * 2 + ["10+20="] * 2, sampling(cfg), seed=1)
     data = type("D", (), {"train_prompts": ["3+4=", "10+20="]})()
-    groups = _Groups([out], [torch.zeros(2, 4)], [0, 1], [[experience(0, 7, 1)], []])
-    batch, group_index, slot = _training_batch(groups, data, tokenizer, 2)  # type: ignore[arg-type]
+    groups = Groups([out], [torch.zeros(2, 4)], [0, 1], [[experience(0, 7, 1)], []])
+    batch, group_index, slot = training_batch(groups, data, tokenizer, 2)  # type: ignore[arg-type]
     assert group_index.tolist() == [0, 0, 1, 1, 0]
     assert slot.tolist() == [0, 1, 0, 1, 2]  # the replay is slot G + 0 of group 0
     assert batch.texts[-1] == "71" and batch.input_ids.shape[0] == 5
@@ -147,7 +147,7 @@ def test_era_floor_samples_what_the_loss_scores(tiny_lora) -> None:  # type: ign
     policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
     cfg = grpo_cfg(temperature=0.5, entropy=EntropyConfig(floor=2.5))
     prompts = ["12+7=", "5+93=", "1+1="]
-    out = rollout(policy, tokenizer, prompts, cfg, seed=3)
+    out = rollout(policy, tokenizer, prompts, sampling(cfg), seed=3)
     t = out.completion_ids.shape[1]
     logp, entropy = token_logprobs(policy.model, out.input_ids, out.attention_mask, t, 0.5, 2.5)
     # Reference: the same seed through HF with the processor, keeping the processed scores.
@@ -195,9 +195,9 @@ def test_entropy_carries_a_gradient_only_for_the_bonus(tiny_lora) -> None:  # ty
 
 def test_temperature_schedule_is_staged_by_step() -> None:
     cfg = Config(grpo=GRPOConfig(temperature=0.6, temperature_schedule=((2, 0.8), (5, 1.0))))
-    assert [temperature_at(s, cfg) for s in range(7)] == [0.6, 0.6, 0.8, 0.8, 0.8, 1.0, 1.0]
+    assert [temperature_at(s, cfg.grpo) for s in range(7)] == [0.6, 0.6, 0.8, 0.8, 0.8, 1.0, 1.0]
     cfg = Config(grpo=GRPOConfig(temperature=0.6, temperature_schedule=((0, 0.9),)))
-    assert temperature_at(0, cfg) == 0.9  # a stage at step 0 replaces the base
+    assert temperature_at(0, cfg.grpo) == 0.9  # a stage at step 0 replaces the base
 
 
 @pytest.mark.parametrize(

@@ -327,20 +327,20 @@ def test_read_only_run_dir_is_refused(tmp_path: Path) -> None:
     assert line.startswith(f"error: run.dir {target / 'run'}: not writable (Read-only file system)")
 
 
-def test_failed_write_keeps_previous_file(tmp_path: Path) -> None:
-    from essa.faults import checkpoint_fault
-    from essa.rundir import StorageError, atomic_write_json
+def test_failed_write_keeps_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import essa.rundir
+    from essa.rundir import StorageError, atomic_write_json, before_checkpoint
+    from tests.faults.sitecustomize import checkpoint_fault
 
     path = tmp_path / "checkpoint.json"
     atomic_write_json(path, {"generation": 1})
-    os.environ["ESSA_FAULT"] = "enospc@2"
-    try:
-        assert checkpoint_fault(1) is None
-        hook = checkpoint_fault(2)
-        with pytest.raises(StorageError, match="checkpoint.json: no space left on device"):
-            atomic_write_json(path, {"generation": 2}, before_rename=hook)
-    finally:
-        del os.environ["ESSA_FAULT"]
+    assert before_checkpoint(2) is None  # no hook installed: nothing injected
+    monkeypatch.setenv("ESSA_FAULT", "enospc@2")
+    monkeypatch.setattr(essa.rundir, "checkpoint_hook", checkpoint_fault)
+    assert before_checkpoint(1) is None
+    hook = before_checkpoint(2)
+    with pytest.raises(StorageError, match="checkpoint.json: no space left on device"):
+        atomic_write_json(path, {"generation": 2}, before_rename=hook)
     assert json.loads(path.read_text()) == {"generation": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.json"]  # no temp left
 

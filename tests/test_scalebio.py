@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from essa.config import ConfigError, load_config
-from essa.recipes.scalebio import softmax, weight_update
+from essa.gradient.bilevel import softmax, weight_update
 from tests.test_train_e2e import essa, sets
 
 

@@ -29,16 +29,27 @@ SMALL = [
 ]
 
 
+FAULTS = Path(__file__).resolve().parent / "faults"  # ESSA_FAULT's start-up hook
+
+
+def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The CLI's environment: one thread, ``env`` on top; with ESSA_FAULT, tests/faults on
+    PYTHONPATH so its sitecustomize installs the fault (the package has only the hook)."""
+    out = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if out.get("ESSA_FAULT"):
+        out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), out.get("PYTHONPATH")]))
+    return out
+
+
 def essa(
     *args: str, timeout: float = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "essa.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env=cli_env(env),
     )
 
 
@@ -174,7 +185,7 @@ def _launch(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> sub
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        env=cli_env(env),
     )
 
 

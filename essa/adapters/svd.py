@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from essa.adapters.export import export_peft
+from essa.errors import UserError
 from essa.types import AdapterVector, Population
 
 LAYOUT_ORDER = "layer -> module -> factor (A, then B) -> singular index (largest first)"
@@ -307,3 +308,11 @@ def _decompose(
         k=k,
         start=start,
     )
+
+
+def svd_adapter(peft_model: Any, alpha: float) -> SVDAdapter:
+    """The SVD form of the model's LoRA; a config that selects nothing is one UserError line."""
+    try:
+        return SVDAdapter.from_peft_model(peft_model, alpha=alpha)
+    except ValueError as err:  # e.g. alpha * r selects no singular value of a given adapter
+        raise UserError(f"adapter: {err}") from None

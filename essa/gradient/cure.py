@@ -40,10 +40,11 @@ import numpy as np
 import torch
 
 from essa import seeding
-from essa.config import Config, CureConfig
+from essa.config import CureConfig, GRPOConfig
 from essa.gradient.policy import (
     Policy,
     Rollout,
+    Sampling,
     merge,
     rollout,
     rollout_from_ids,
@@ -51,7 +52,7 @@ from essa.gradient.policy import (
     token_logprobs,
 )
 
-Sampler = Callable[..., Rollout]  # rollout(policy, tokenizer, prompts, cfg, seed, progress, T)
+Sampler = Callable[..., Rollout]  # rollout(policy, tokenizer, prompts, sampling, seed, progress, T)
 
 
 def is_active(cfg: CureConfig, step: int) -> bool:
@@ -79,9 +80,9 @@ class Tally:
         return fields
 
 
-def branching(tally: Tally) -> Sampler:
+def branching(g: GRPOConfig, tally: Tally) -> Sampler:
     """Stage 1's rollout function, counting into ``tally``: :func:`branched_rollout`."""
-    return functools.partial(branched_rollout, tally=tally)
+    return functools.partial(branched_rollout, g=g, tally=tally)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,18 +120,20 @@ def choose_critical(
 
 
 @torch.no_grad()
-def rollout_entropy(policy: Policy, out: Rollout, cfg: Config) -> torch.Tensor:
+def rollout_entropy(
+    policy: Policy, out: Rollout, temperature: float, grad_accumulation: int
+) -> torch.Tensor:
     """(B, T) entropy of the policy's sampling distribution (logits / temperature) per token.
 
     Micro-batched as the update is (``grpo.grad_accumulation``), so it fits where training does.
     """
     t = out.completion_ids.shape[1]
-    rows = [r for r in torch.arange(len(out.texts)).chunk(cfg.grpo.grad_accumulation) if r.numel()]
+    rows = [r for r in torch.arange(len(out.texts)).chunk(grad_accumulation) if r.numel()]
     parts = []
     with policy.inference():
         for r in rows:
             ids, attention = out.input_ids[r], out.attention_mask[r]
-            parts.append(token_logprobs(policy.model, ids, attention, t, cfg.grpo.temperature)[1])
+            parts.append(token_logprobs(policy.model, ids, attention, t, temperature)[1])
     return torch.cat(parts)
 
 
@@ -156,36 +159,37 @@ def branched_rollout(
     policy: Policy,
     tokenizer: Any,
     prompts: Sequence[str],
-    cfg: Config,
+    sampling: Sampling,
     seed: int,
     progress: Callable[[int], None] | None = None,
     temperature: float | None = None,
     *,
+    g: GRPOConfig,
     tally: Tally,
 ) -> Rollout:
     """Stage 1 in place of :func:`rollout`: the same rows, each run of G equal prompts filled
     with n1 originals then their n1 * n2 branches, all sampled at ``temperature`` (default
-    grpo.temperature, as :func:`rollout`). Randomness comes from ``seed`` alone."""
-    g = cfg.grpo
+    sampling.temperature, as :func:`rollout`). Randomness comes from ``seed`` alone. ``g``:
+    the group size and ``grpo.cure``; the critical tokens' entropy is at grpo.temperature."""
     n2 = g.cure.branches
     n1 = g.group_size // (1 + n2)
     groups = len(prompts) // g.group_size
     firsts = [prompts[k * g.group_size] for k in range(groups) for _ in range(n1)]
-    originals = rollout(policy, tokenizer, firsts, cfg, seed, progress, temperature)  # N * n1
-    entropy = rollout_entropy(policy, originals, cfg)  # (N * n1, T)
+    originals = rollout(policy, tokenizer, firsts, sampling, seed, progress, temperature)  # N*n1
+    entropy = rollout_entropy(policy, originals, g.temperature, g.grad_accumulation)  # (N*n1, T)
     special = [*tokenizer.all_special_ids, tokenizer.eos_token_id, tokenizer.pad_token_id]
     candidates = candidate_positions(originals, [i for i in special if i is not None])
     rng = seeding.rng(seed, "cure.critical")
     positions, found = choose_critical(entropy, candidates, g.cure.top_k_tokens, rng)
     ids, attention = branch_contexts(originals, positions, tokenizer.pad_token_id)
-    budgets = cfg.generation.new_tokens - positions  # (N * n1,) the trajectory's room
+    budgets = sampling.generation.new_tokens - positions  # (N * n1,) the trajectory's room
     branch_seed = seeding.seed_int(seed, "cure.branches")
     branches = rollout_from_ids(
         policy,
         tokenizer,
         ids.repeat_interleave(n2, 0),
         attention.repeat_interleave(n2, 0),
-        cfg,
+        sampling,
         branch_seed,
         progress,
         budgets.repeat_interleave(n2),

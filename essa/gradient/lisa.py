@@ -28,7 +28,6 @@ Deviations and project choices:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,17 +35,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from essa.config import SFTConfig
+from essa import seeding
+from essa.config import DataConfig, LisaConfig, SFTConfig
 from essa.errors import UserError
 from essa.optimizers.layerwise import active_layers
+from essa.types import Example
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from essa.config import Config
     from essa.data.task import Task
-from essa import seeding
-from essa.types import Example
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -198,27 +196,19 @@ def train_sft_lisa(
     seed: int,
 ) -> list[float]:
     """``essa.gradient.sft.train_sft`` with the base weights trained by LISA; losses per step."""
+    from essa.gradient.schedule import clip_gradients, lr_factor
     from essa.gradient.sft import encode_sft_batch
 
     if not examples:
         raise UserError("data: no examples left for the SFT stage (data.sft_size is 0)")
-    lisa = LisaOptimizer(
-        model,
-        active_layers=cfg.lisa.active_layers,
-        interval=cfg.lisa.interval,
-        seed=seed,
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        train_embeddings=cfg.lisa.train_embeddings,
-        train_head=cfg.lisa.train_head,
-    )
+    lisa = lisa_optimizer(model, cfg.lisa, seed, cfg.lr, cfg.weight_decay, "sft.lisa")
     device = next(model.parameters()).device
     rng = seeding.rng(seed, "sft.batches")
     order: list[int] = []
     losses: list[float] = []
     model.train()
     for step in range(cfg.steps):
-        lisa.set_lr(cfg.lr * _cosine(step, cfg.steps, cfg.lr_warmup_steps))
+        lisa.set_lr(cfg.lr * lr_factor(step, cfg.steps, cfg.lr_warmup_steps))
         if len(order) < cfg.batch_size:
             order.extend(rng.permutation(len(examples)).tolist())
         idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
@@ -228,7 +218,7 @@ def train_sft_lisa(
         loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
         lisa.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(lisa.trainable(), 1.0)
+        clip_gradients(lisa.trainable(), 1.0)
         lisa.step()
         losses.append(loss.item())
     model.eval()
@@ -237,16 +227,14 @@ def train_sft_lisa(
     return losses
 
 
-def _cosine(step: int, total: int, warmup: int) -> float:
-    """The SFT stage's schedule factor (warm-up, then cosine to 0), as in ``sft._cosine``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    frac = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
-
-
 def train_base_model(
-    cfg: Config, model: PreTrainedModel, tokenizer: Any, task: Task, run_dir: Path
+    sft: SFTConfig,
+    data: DataConfig,
+    seed: int,
+    model: PreTrainedModel,
+    tokenizer: Any,
+    task: Task,
+    run_dir: Path,
 ) -> tuple[Path, list[float]]:
     """``essa sft`` with ``sft.trainable`` full or lisa: train the base weights, save the model.
 
@@ -257,15 +245,32 @@ def train_base_model(
     from essa.gradient.sft import train_sft
     from essa.rundir import atomic_dir
 
-    prompts = render_prompts(task.sft, cfg.data.template, tokenizer, cfg.data.system_prompt)
-    if cfg.sft.trainable == "lisa":
-        losses = train_sft_lisa(model, tokenizer, task.sft, prompts, cfg.sft, cfg.run.seed)
+    prompts = render_prompts(task.sft, data.template, tokenizer, data.system_prompt)
+    if sft.trainable == "lisa":
+        losses = train_sft_lisa(model, tokenizer, task.sft, prompts, sft, seed)
     else:
         for p in model.parameters():
             p.requires_grad_(True)
-        losses = train_sft(model, tokenizer, task.sft, prompts, cfg.sft, cfg.run.seed)
+        losses = train_sft(model, tokenizer, task.sft, prompts, sft, seed)
     out = run_dir / "sft_model"
     with atomic_dir(out) as tmp:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
     return out, losses
+
+
+def lisa_optimizer(
+    model: Any, lisa: LisaConfig, seed: int, lr: float, weight_decay: float, key: str
+) -> LisaOptimizer:
+    """:class:`LisaOptimizer` on ``model`` with the ``lisa`` section's layer schedule."""
+    return LisaOptimizer(
+        model,
+        active_layers=lisa.active_layers,
+        interval=lisa.interval,
+        seed=seed,
+        lr=lr,
+        weight_decay=weight_decay,
+        train_embeddings=lisa.train_embeddings,
+        train_head=lisa.train_head,
+        config_key=key,
+    )

@@ -26,10 +26,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from essa.config import GRPOConfig
 
 Normaliser = Literal["sequence_mean", "token_mean", "constant_length", "group_token_mean"]
 GroupFilter = Literal["none", "mixed", "not_all_max"]
@@ -419,6 +422,30 @@ def get_variant(name: str) -> Variant:
     if name not in VARIANTS:
         raise ValueError(f"unknown GRPO variant {name!r} (known: {', '.join(VARIANTS)})")
     return VARIANTS[name]
+
+
+def preset(g: GRPOConfig) -> dict[str, Any]:
+    """``grpo.loss``'s preset with the run's overrides (beta, epsilon_low/high) applied: logged
+    with the run, so its numbers say what ran."""
+    values = dict(vars(get_variant(g.loss)))
+    for key in ("beta", "epsilon_low", "epsilon_high"):
+        if getattr(g, key) is not None:
+            values[key] = getattr(g, key)
+    return values
+
+
+def beta(g: GRPOConfig) -> float:
+    """The KL coefficient in force: ``grpo.beta``, else the variant preset's."""
+    return get_variant(g.loss).beta if g.beta is None else g.beta
+
+
+def history_to_json(history: Mapping[int, PromptStats]) -> dict[str, list[float]]:
+    """DCPO's per-prompt statistics as checkpoint JSON."""
+    return {str(k): [v.visits, v.mean, v.var] for k, v in history.items()}
+
+
+def history_from_json(data: Mapping[str, list[float]]) -> dict[int, PromptStats]:
+    return {int(k): PromptStats(int(v[0]), v[1], v[2]) for k, v in data.items()}
 
 
 def advantages(

@@ -1,5 +1,5 @@
-"""What GRPO trains and how it samples: the policy (trainable tensors and their SFT reference),
-rollouts (sampled completions with their masks) and token log-probs. Used by essa/recipes/grpo.py.
+"""What the gradient recipes train and how they sample: the policy (trainable tensors and their
+SFT reference), rollouts (sampled completions with their masks) and token log-probs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from essa.backends.stops import stop_token_ids
-from essa.config import Config
+from essa.config import GenerationConfig, GRPOConfig
 from essa.gradient.losses import era_activation, token_entropy
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class _FactorFromSingularValues(torch.nn.Module):
 def _parametrize_singular_values(peft_model: Any, alpha: float) -> tuple[SVDAdapter, torch.Tensor]:
     from torch.nn.utils import parametrize
 
-    from essa.setup import svd_adapter
+    from essa.adapters.svd import svd_adapter
 
     svd = svd_adapter(peft_model, alpha)
     device = next(peft_model.parameters()).device
@@ -148,25 +148,42 @@ class Rollout:
     texts: list[str]
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How rollouts sample: ``generation``'s length and top-p, ``micro_batch_size`` rows per
+    generate call, the temperature and the ERA-style entropy floor (0: none)."""
+
+    generation: GenerationConfig
+    micro_batch_size: int
+    temperature: float
+    entropy_floor: float = 0.0
+
+    @classmethod
+    def for_grpo(
+        cls, g: GRPOConfig, generation: GenerationConfig, micro_batch_size: int
+    ) -> Sampling:
+        """GRPO's: ``grpo.temperature`` and ``grpo.entropy.floor``."""
+        return cls(generation, micro_batch_size, g.temperature, g.entropy.floor)
+
+
 @torch.no_grad()
 def rollout(
     policy: Policy,
     tokenizer: Any,
     prompts: Sequence[str],
-    cfg: Config,
+    sampling: Sampling,
     seed: int,
     progress: Callable[[int], None] | None = None,
     temperature: float | None = None,
 ) -> Rollout:
-    """Sample one completion per prompt row at ``temperature`` (default grpo.temperature).
+    """Sample one completion per prompt row at ``temperature`` (default sampling.temperature).
 
-    ``progress(rows)`` is called after each micro-batch. With ``grpo.entropy.floor`` the
-    tokens are drawn from the ERA-activated distribution the loss trains (see
-    :func:`sampling_processors`).
+    ``progress(rows)`` is called after each micro-batch. With an entropy floor the tokens are
+    drawn from the ERA-activated distribution the loss trains (see :func:`sampling_processors`).
     """
     batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
     return rollout_from_ids(
-        policy, tokenizer, batch["input_ids"], batch["attention_mask"], cfg, seed, progress,
+        policy, tokenizer, batch["input_ids"], batch["attention_mask"], sampling, seed, progress,
         temperature=temperature,
     )  # fmt: skip
 
@@ -177,7 +194,7 @@ def rollout_from_ids(
     tokenizer: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    cfg: Config,
+    sampling: Sampling,
     seed: int,
     progress: Callable[[int], None] | None = None,
     budgets: torch.Tensor | None = None,
@@ -187,18 +204,18 @@ def rollout_from_ids(
     completion length (default ``generation.max_new_tokens``): tokens past a row's budget are
     dropped as if never sampled, and a row without EOS within it is truncated.
     """
-    temperature = cfg.grpo.temperature if temperature is None else temperature
-    processors, temperature = sampling_processors(cfg.grpo.entropy.floor, temperature)
+    temperature = sampling.temperature if temperature is None else temperature
+    processors, temperature = sampling_processors(sampling.entropy_floor, temperature)
     model = policy.model
     device = next(model.parameters()).device
     batch = {"input_ids": input_ids, "attention_mask": attention_mask}
-    max_new_tokens = cfg.generation.new_tokens if budgets is None else int(budgets.max())
+    max_new_tokens = sampling.generation.new_tokens if budgets is None else int(budgets.max())
     # The tokenizer's EOS and the model's own end-of-turn ids (essa/backends/stops.py), as ESSA
     # stops: with EOS alone a chat model's rows would all run to max_new_tokens.
     stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     torch.manual_seed(seed)  # HF sampling draws from the global torch RNG
     chunks = []
-    size = cfg.evaluation.micro_batch_size
+    size = sampling.micro_batch_size
     with policy.inference():
         for start in range(0, len(input_ids), size):
             part = {k: v[start : start + size].to(device) for k, v in batch.items()}
@@ -207,7 +224,7 @@ def rollout_from_ids(
                 do_sample=True,
                 temperature=temperature,
                 logits_processor=processors,
-                top_p=cfg.generation.top_p,
+                top_p=sampling.generation.top_p,
                 top_k=0,
                 max_new_tokens=max_new_tokens,
                 pad_token_id=tokenizer.pad_token_id,

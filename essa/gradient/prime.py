@@ -23,15 +23,15 @@ soft label; ungradable (None) rewards take no part in the PRM loss and get outco
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from essa.config import Config, PrimeConfig
-from essa.errors import UserError
+from essa.config import GRPOConfig, PrimeConfig
+from essa.gradient.checkpoint import Trained
 from essa.gradient.policy import Policy, Rollout, select, token_logprobs
+from essa.gradient.schedule import clip_gradients
 
 WHITEN_EPS = 1e-8  # verl masked_whiten
 
@@ -133,13 +133,13 @@ class ImplicitPRM:
     optimizer: torch.optim.AdamW
 
     @classmethod
-    def build(cls, cfg: Config, policy: Policy) -> ImplicitPRM | None:
-        p = cfg.grpo.prime
+    def build(cls, g: GRPOConfig, policy: Policy) -> ImplicitPRM | None:
+        p = g.prime
         if not p.enabled:
             return None
         names = [n for n, _ in policy.model.named_parameters() if "lora_" in n]
         params = [ref.detach().clone().requires_grad_(True) for ref in policy.reference]
-        lr = cfg.grpo.lr if p.prm_lr is None else p.prm_lr
+        lr = g.lr if p.prm_lr is None else p.prm_lr
         return cls(p, names, params, torch.optim.AdamW(params, lr=lr, weight_decay=0.0))
 
     def logprobs(self, policy: Policy, rows: Rollout, t: int) -> Tensor:
@@ -148,10 +148,11 @@ class ImplicitPRM:
         return token_logprobs(model, rows.input_ids, rows.attention_mask, t, 1.0)[0]
 
     def step(
-        self, policy: Policy, batch: Rollout, outcome: Tensor, cfg: Config
+        self, policy: Policy, batch: Rollout, outcome: Tensor, g: GRPOConfig
     ) -> tuple[Tensor, dict[str, float | None]]:
-        """Rewards from phi, one PRM update, token advantages (B, T) and the step's metrics."""
-        g = cfg.grpo
+        """Rewards from phi, one PRM update, token advantages (B, T) and the step's metrics.
+
+        ``g``: grpo.grad_accumulation (micro-batches) and grpo.max_grad_norm (the clip)."""
         t = batch.completion_ids.shape[1]
         chunks = [
             c for c in torch.arange(batch.mask.shape[0]).chunk(g.grad_accumulation) if c.numel()
@@ -175,8 +176,7 @@ class ImplicitPRM:
                 loss.backward()
                 loss_total += float(loss.detach())
         if labelled:
-            if g.max_grad_norm > 0:  # the policy's clipping norm
-                torch.nn.utils.clip_grad_norm_(self.params, g.max_grad_norm)
+            clip_gradients(self.params, g.max_grad_norm)  # the policy's clipping norm
             self.optimizer.step()
         token_rewards = torch.cat(rewards)  # (B, T)
         advantages = prime_advantages(
@@ -189,43 +189,10 @@ class ImplicitPRM:
         )
         return advantages, _metrics(token_rewards, labels, loss_total if labelled else None)
 
-    # -- checkpoint: phi and its AdamW moments beside the policy's tensors ------------------
-
-    def tensors(self) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        for i, param in enumerate(self.params):
-            out[f"prime.param.{i}"] = param.detach().cpu().contiguous()
-            moments = self.optimizer.state.get(param, {})
-            if moments:
-                out[f"prime.exp_avg.{i}"] = moments["exp_avg"].cpu().contiguous()
-                out[f"prime.exp_avg_sq.{i}"] = moments["exp_avg_sq"].cpu().contiguous()
-        return out
-
-    def state(self) -> dict[str, Any]:
-        steps = [self.optimizer.state.get(p, {}).get("step") for p in self.params]
-        return {"adam_steps": [0.0 if s is None else float(s) for s in steps]}
-
-    def load(self, checkpoint: Path, state: dict[str, Any]) -> None:
-        """Restore phi and its moments from RUN_DIR/checkpoint/ (UserError when absent)."""
-        from safetensors.torch import load_file
-
-        if "prime" not in state:
-            raise UserError(
-                f"--resume {checkpoint.parent}: the checkpoint has no implicit PRM "
-                "(the run started without grpo.prime.enabled)"
-            )
-        tensors = load_file(str(checkpoint / "tensors.safetensors"))
-        with torch.no_grad():
-            for i, (param, step) in enumerate(
-                zip(self.params, state["prime"]["adam_steps"], strict=True)
-            ):
-                param.copy_(tensors[f"prime.param.{i}"])
-                if f"prime.exp_avg.{i}" in tensors:
-                    self.optimizer.state[param] = {
-                        "step": torch.tensor(step),
-                        "exp_avg": tensors[f"prime.exp_avg.{i}"].to(param.device),
-                        "exp_avg_sq": tensors[f"prime.exp_avg_sq.{i}"].to(param.device),
-                    }
+    def trained(self) -> Trained:
+        """phi and its AdamW, as the checkpoint stores them beside the policy."""
+        missing = "the checkpoint has no implicit PRM (the run started without grpo.prime.enabled)"
+        return Trained("prime", self.params, self.optimizer, missing)
 
 
 def _metrics(token_rewards: Tensor, labels: Tensor, loss: float | None) -> dict[str, float | None]:

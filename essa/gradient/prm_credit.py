@@ -85,3 +85,15 @@ def step_credit(tokenizer: Any, out: Rollout, prompts: list[str], reward: Reward
         ks = token_steps(PrefixEnds(tokenizer, ids), ends)  # O(K log T) prefix decodes
         credit[b, :n] = weight * (torch.tensor([values[k] for k in ks]) - values[0])
     return credit
+
+
+def with_step_credit(
+    values: torch.Tensor, credit: Sequence[torch.Tensor], mask: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """Group advantages (B,) plus each round's step credit (n_i*G, T_i), padded to the batch's
+    T: ``A_i + w_p (G_k(t) - G_1)``, (B, T); and the mean |credit| over completion tokens (how
+    far the credit moved the advantages). ``mask`` (B, T): the completion tokens."""
+    width = mask.shape[1]
+    padded = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in credit])
+    tokens = mask.sum().clamp(min=1)
+    return values[:, None] + padded, float((padded.abs() * mask).sum() / tokens)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from essa.config import ReplayConfig
 from essa.errors import UserError
 from essa.gradient.policy import Rollout
 from essa.rewards.base import Reward
@@ -214,3 +215,27 @@ def write_buffer(path: Path, buffer: ReplayBuffer, train_prompts: Sequence[str])
         for e in buffer.entries:
             line = {"prompt": train_prompts[e.prompt_id], "completion": e.text, "reward": e.reward}
             f.write(json.dumps(line) + "\n")
+
+
+def seeded_buffer(
+    r: ReplayConfig,
+    tokenizer: Any,
+    train: Sequence[Any],
+    train_prompts: Sequence[str],
+    reward: Reward,
+) -> tuple[list[Any], str]:
+    """The buffer seeded from ``grpo.replay.seed_file`` (RLEP's first phase), as JSON, and the
+    line that says what was kept. ``train``: the training examples (their answers)."""
+    assert r.seed_file is not None
+    answers = [e.answer for e in train]
+    found, report = seed_experiences(
+        r.seed_file, tokenizer, train_prompts, answers, reward, r.min_reward
+    )
+    buffer = ReplayBuffer(r.capacity, [])
+    buffer.add(found)
+    line = (
+        f"replay: seeded {len(buffer.entries)} verified completions from {r.seed_file} "
+        f"({report.lines} lines: {report.unmatched} not training prompts of this run, "
+        f"{report.failed} below min_reward {r.min_reward})"
+    )
+    return buffer.to_json(), line

@@ -9,7 +9,6 @@ the demo runs on a few dozen examples; a cosine schedule with optional warmup is
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import torch
 from essa import seeding
 from essa.config import AdapterConfig, SFTConfig
 from essa.errors import UserError
+from essa.gradient.schedule import clip_gradients, lr_factor
 from essa.types import Example
 
 
@@ -124,7 +124,10 @@ def train_sft(
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     horizon = [cfg.steps]  # the schedule's length; a time limit may cut it after two steps
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, _cosine(horizon, cfg.lr_warmup_steps))
+    warmup = cfg.lr_warmup_steps  # read at each step: a time limit may cut the horizon
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda step: lr_factor(step, horizon[0], warmup)
+    )
     rng = seeding.rng(seed, "sft.batches")
     order: list[int] = []
     losses: list[float] = []
@@ -144,7 +147,7 @@ def train_sft(
         loss = peft_model(**{k: v.to(device) for k, v in batch.items()}).loss
         optim.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        clip_gradients(params, 1.0)
         optim.step()
         lr = float(sched.get_last_lr()[0])  # the rate this step used
         sched.step()
@@ -212,18 +215,6 @@ def check_loss(
     device = next(peft_model.parameters()).device
     with torch.no_grad():
         return float(peft_model(**{k: v.to(device) for k, v in batch.items()}).loss)
-
-
-def _cosine(horizon: list[int], warmup: int) -> Any:
-    """Cosine decay to zero over ``horizon[0]`` steps (read at each step: it may be cut)."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        frac = (step - warmup) / max(1, horizon[0] - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
-
-    return factor
 
 
 def save_adapter(peft_model: Any, out_dir: Path) -> Path:

@@ -69,6 +69,7 @@ def run(
     the summary (the others return ``{}``).
     """
     from essa import setup
+    from essa.adapters.svd import svd_adapter
     from essa.backends import population_evaluator
     from essa.backends.memory import memory_metrics, model_bytes
     from essa.data.task import load_task, render_splits
@@ -92,7 +93,7 @@ def run(
         peft_model, sft_dir = setup.adapter_on_every_rank(
             cfg, model, tokenizer, task, h, budget.sft_limit(cfg, tokenizer, task)
         )
-        adapter = setup.svd_adapter(peft_model, cfg.adapter.alpha)
+        adapter = svd_adapter(peft_model, cfg.adapter.alpha)
         check_searchable(cfg, adapter, sft_dir)  # before the baseline passes
         base = None if vllm else peft_model.unload()  # the engine loads its own copy of the base
         del model, peft_model
