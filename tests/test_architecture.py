@@ -97,6 +97,30 @@ def test_import_rules(package: str) -> None:
     assert not broken, "\n".join(broken)
 
 
+# Components take the config sections they read; only recipes, set-up and the CLI take it whole.
+SECTIONS_ONLY = (
+    "essa.es",
+    "essa.backends",
+    "essa.rewards",
+    "essa.data",
+    "essa.adapters",
+    "essa.optimizers",
+    "essa.dist",
+    "essa.tools",
+)
+
+
+@pytest.mark.parametrize("package", SECTIONS_ONLY)
+def test_components_never_take_the_whole_config(package: str) -> None:
+    whole = []
+    for path in sources():
+        name = module_name(path)
+        inside = name == package or name.startswith(package + ".")
+        if inside and "essa.config.Config" in imports(path):  # TYPE_CHECKING ones too
+            whole.append(str(path.relative_to(ROOT)))
+    assert not whole, "\n".join(whole)
+
+
 @pytest.mark.parametrize(
     "package", ["essa.adapters", "essa.optimizers", "essa.rewards", "essa.data"]
 )
