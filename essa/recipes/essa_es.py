@@ -97,6 +97,7 @@ def run(
             cfg, model, tokenizer, task, h, budget.sft_limit(cfg.data, tokenizer, task)
         )
         adapter = setup.svd_adapter(peft_model, cfg.adapter.alpha)
+        # before the baseline passes
         check_searchable(cfg.optimizer, adapter, sft_dir, given=bool(cfg.adapter.path))
         base = None if vllm else peft_model.unload()  # the engine loads its own copy of the base
         del model, peft_model
@@ -114,7 +115,7 @@ def run(
                 cfg, h, evaluator, adapter, task, train_prompts, reward, heldout, budget
             )
             h.log(_baseline_record(state, adapter.dim, memory_metrics(base_bytes)))
-        # the planned candidates and prompts per generation
+        # The planned candidates and prompts per generation.
         cfg = setup.apply_plan(cfg, budget.adopt(h, state))
         opt = opt if opt is not None else _optimizer(cfg, adapter, state.get("scale_baseline"))
         informative = _informative(cfg, tokenizer, state.get("informative"))
