@@ -139,7 +139,7 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
         train_sft(peft_model, tokenizer, task.sft, prompts, sft, cfg.run.seed)
     adapter = svd_adapter(peft_model, cfg.adapter.alpha)
     base = peft_model.unload()
-    population = np.asarray(make_es_optimizer(cfg, adapter).ask())  # (P, D)
+    population = np.asarray(make_es_optimizer(cfg.optimizer, cfg.run.seed, adapter).ask())  # (P, D)
     items = task.train[: cfg.data.batch_size]
     return {
         "cfg": cfg,

@@ -132,12 +132,14 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from essa.backends.evaluator import PopulationEvaluator
     from essa.backends.vllm import VLLMEvaluator, import_vllm
+    from essa.setup import evaluator_settings
 
     vllm = import_vllm()
     s = setup(args)
     cfg, population, prompts = s["cfg"], s["population"], s["prompts"]
     start = time.perf_counter()
-    essa = VLLMEvaluator(cfg, s["adapter"], s["tokenizer"], args.model, slots=len(population))
+    settings = evaluator_settings(cfg)
+    essa = VLLMEvaluator(settings, s["adapter"], s["tokenizer"], args.model, slots=len(population))
     init_lora = time.perf_counter() - start
     start = time.perf_counter()
     plain = vllm.LLM(

@@ -130,7 +130,7 @@ def _check_before_load(cfg: Config, config: Path | None, overrides: list[str] | 
     from essa.data.task import check_prompt_template
 
     try:
-        check_prompt_template(cfg)
+        check_prompt_template(cfg.data, cfg.model)
     except UserError as err:
         key = str(err).split(":", 1)[0]
         raise UserError(f"{key_location(config, overrides or (), key)}: {err}") from None
@@ -494,7 +494,7 @@ def export(
     from essa.rundir import check_output
 
     check_output(merged, "--merged", directory=True)
-    result = export_merged(cfg, adapter_dir, merged)
+    result = export_merged(cfg.model, cfg.generation, adapter_dir, merged)
     if result.note:
         typer.echo(f"note: {result.note}", err=True)
     typer.echo(

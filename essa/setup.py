@@ -3,6 +3,7 @@ rank, the task's generation lengths."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Callable
@@ -17,8 +18,9 @@ from essa.data.task import Task, render_prompts
 from essa.errors import UserError
 
 if TYPE_CHECKING:
+    from essa.backends import EvaluatorSettings
     from essa.dist import Comm
-    from essa.es.plan import TaskLengths
+    from essa.es.plan import Plan, PlanInputs, TaskLengths
     from essa.gradient.sft import SFTLimit
     from essa.harness import Harness, Reporter
 
@@ -35,10 +37,54 @@ def resolve_lengths(
 
     examples = (task.sft + task.train)[:512]
     prompts = render_prompts(examples, cfg.data.template, tokenizer, cfg.data.system_prompt)
-    cfg, lengths, warning = resolve(cfg, tokenizer, prompts, reference_texts(examples))
+    gen, lengths, warning = resolve(cfg.generation, tokenizer, prompts, reference_texts(examples))
     if warning:
         say(warning)
-    return cfg, lengths
+    return dataclasses.replace(cfg, generation=gen), lengths
+
+
+def plan_inputs(cfg: Config) -> PlanInputs:
+    """The sections of ``cfg`` that the budget plan reads."""
+    from essa.es.plan import PlanInputs
+
+    return PlanInputs(
+        cfg.run,
+        cfg.optimizer,
+        cfg.data,
+        cfg.generation,
+        cfg.evaluation,
+        cfg.sft,
+        cfg.adapter,
+        cfg.backend,
+    )
+
+
+def evaluator_settings(cfg: Config) -> EvaluatorSettings:
+    """The sections of ``cfg`` that a population evaluator reads."""
+    from essa.backends import EvaluatorSettings
+
+    o = cfg.optimizer
+    return EvaluatorSettings(
+        cfg.generation,
+        cfg.evaluation,
+        cfg.model,
+        cfg.vllm,
+        cfg.run.seed,
+        o.population_size,
+        cfg.backend,
+    )
+
+
+def apply_plan(cfg: Config, plan: Plan | None) -> Config:
+    """``cfg`` with the planned candidates and prompts per generation (the other sizes are read
+    from the plan where they are used); ``cfg`` itself without a plan."""
+    if plan is None:
+        return cfg
+    return dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, batch_size=plan.prompts),
+        optimizer=dataclasses.replace(cfg.optimizer, population_size=plan.population),
+    )
 
 
 def seed_everything(seed: int) -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from essa.config import DEMO_DEFAULTS, Config, ConfigError, dump_config, load_config
+from essa.config import Config, ConfigError, dump_config, load_config
+from essa.data.build_demo import CONFIG_DEFAULTS as DEMO_DEFAULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted(ROOT.glob("configs/**/*.yaml"))

@@ -3,13 +3,15 @@ and a real model with a tiny SFT of its own gets one warning line."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from essa.config import DEMO_DEFAULTS, Config, load_config, tiny_sft_warning
+from essa.config import Config, load_config, tiny_sft_warning
+from essa.data.build_demo import CONFIG_DEFAULTS as DEMO_DEFAULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = "model.name_or_path=HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -53,6 +55,18 @@ def test_explicit_values_win_on_the_demo(tmp_path: Path) -> None:
     path.write_text("model:\n  name_or_path: /models/x\nsft:\n  steps: 4\n")
     real = load_config(path)
     assert real.sft.steps == 4 and real.generation.max_new_tokens == "auto"
+
+
+def test_the_demo_defaults_taken_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="essa.config"):
+        load_config(None, ["optimizer.sigma0=0.5"])
+        load_config(None, [REAL])
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "builtin:demo: keys left unset take the model's own defaults: sft.steps=4, "
+        "sft.batch_size=100, data.template=raw, data.sft_size=100, generation.max_new_tokens=8, "
+        "evaluation.use_scale_baseline=True"
+    ]
 
 
 def test_tiny_sft_warning() -> None:

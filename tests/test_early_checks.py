@@ -183,4 +183,4 @@ def test_bundled_gguf_header_has_the_chat_template_and_chatml_tokens(
         cfg = load_config(
             None, ["model.name_or_path=builtin:smollm2-135m-instruct", f"data.template={template}"]
         )
-        check_prompt_template(cfg)
+        check_prompt_template(cfg.data, cfg.model)

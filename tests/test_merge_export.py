@@ -101,7 +101,7 @@ def test_quantised_base_merges_into_full_precision(run_dir: Path, tmp_path: Path
     from essa.config import load_config
 
     cfg = load_config(run_dir / "config.yaml", ["model.quantization=int8"])
-    result = export_merged(cfg, run_dir / "adapter", tmp_path / "merged")
+    result = export_merged(cfg.model, cfg.generation, run_dir / "adapter", tmp_path / "merged")
     assert result.note is not None and "full-precision base" in result.note
     assert result.dtype == "float32"
 
@@ -129,6 +129,6 @@ def test_merged_model_stops_where_generation_stops(tiny_model_dir: Path, tmp_pat
     assert stops == [1, 5]
     peft_model = make_lora_model(model, AdapterConfig(rank=2))
     peft_model.save_pretrained(str(tmp_path / "adapter"))
-    export_merged(cfg, tmp_path / "adapter", tmp_path / "merged")
+    export_merged(cfg.model, cfg.generation, tmp_path / "adapter", tmp_path / "merged")
     saved = json.loads((tmp_path / "merged" / "generation_config.json").read_text())
     assert saved["eos_token_id"] == stops

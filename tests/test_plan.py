@@ -26,6 +26,7 @@ from essa.es.plan import (
     make_plan,
     resolve_lengths,
 )
+from essa.setup import plan_inputs
 from tests.test_train_e2e import essa, sets
 
 REAL = [
@@ -73,19 +74,21 @@ def test_resolve_lengths_measures_on_the_models_tokenizer() -> None:
     cfg = load_config(None, ["generation.max_new_tokens=auto"])
     prompts = ["12+7=", "3+45="]
     refs = ["19", "48"]
-    resolved, measured, warning = resolve_lengths(cfg, tokenizer, prompts, refs)
+    resolved, measured, warning = resolve_lengths(cfg.generation, tokenizer, prompts, refs)
     longest = max(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in refs)
     assert measured.reference_max == longest and warning is None
-    assert resolved.generation.new_tokens == auto_max_new_tokens(measured)
+    assert resolved.new_tokens == auto_max_new_tokens(measured)
     fixed = load_config(None, ["generation.max_new_tokens=1"])
-    same, counted, warning = resolve_lengths(fixed, tokenizer, prompts, refs)
-    assert same.generation.new_tokens == 1 and warning is not None
+    same, counted, warning = resolve_lengths(fixed.generation, tokenizer, prompts, refs)
+    assert same.new_tokens == 1 and warning is not None
     assert counted.references_over == 2 and counted.references == 2
 
 
 def test_generous_budget_keeps_the_configured_sizes() -> None:
     cfg = real_cfg()
-    plan = make_plan(cfg, Costs(row=0.01, sft_step=1.0, spent=10), test_items=500, train_items=5000)
+    plan = make_plan(
+        plan_inputs(cfg), Costs(row=0.01, sft_step=1.0, spent=10), test_items=500, train_items=5000
+    )
     assert plan.prompts == 32 and plan.generations == 40
     assert plan.sft_steps == 48 and plan.sft_seconds == 48.0  # the steps fit: no limit binds
 
@@ -93,7 +96,9 @@ def test_generous_budget_keeps_the_configured_sizes() -> None:
 def test_expensive_rows_shrink_every_sized_phase_within_bounds() -> None:
     # A long-prompt task measured before any planning: 0.29 s per row on 2 cores.
     cfg = real_cfg()
-    plan = make_plan(cfg, Costs(row=0.29, sft_step=6.6, spent=15), test_items=500, train_items=5000)
+    plan = make_plan(
+        plan_inputs(cfg), Costs(row=0.29, sft_step=6.6, spent=15), test_items=500, train_items=5000
+    )
     budget = 1140
     assert plan.sft_seconds == pytest.approx(SFT_SHARE * budget)
     assert plan.start_prompts == max(16, int(START_SHARE * budget / (8 * 0.29)))
@@ -108,7 +113,9 @@ def test_expensive_rows_shrink_every_sized_phase_within_bounds() -> None:
 @pytest.mark.parametrize("row", [0.02, 0.05, 0.1, 0.2, 0.29])
 def test_the_largest_generation_that_fits_the_target_is_planned(row: float) -> None:
     cfg = real_cfg()
-    plan = make_plan(cfg, Costs(row=row, sft_step=1.5, spent=10), test_items=500, train_items=5000)
+    plan = make_plan(
+        plan_inputs(cfg), Costs(row=row, sft_step=1.5, spent=10), test_items=500, train_items=5000
+    )
     sizes = generation_sizes(16, 32, 32, cfg.optimizer)
     assert sizes[0] == (16, 32) and sizes[-1] == (8, 16)
     assert all(n % 2 == 0 for n, _ in sizes)  # mirrored pairs stay whole
@@ -122,8 +129,8 @@ def test_the_largest_generation_that_fits_the_target_is_planned(row: float) -> N
 def test_mpi_ranks_share_the_rows() -> None:
     cfg = real_cfg()
     costs = Costs(row=0.29, sft_step=6.6, spent=15)
-    one = make_plan(cfg, costs, test_items=500, train_items=5000)
-    four = make_plan(cfg, costs, test_items=500, train_items=5000, world_size=4)
+    one = make_plan(plan_inputs(cfg), costs, test_items=500, train_items=5000)
+    four = make_plan(plan_inputs(cfg), costs, test_items=500, train_items=5000, world_size=4)
     assert four.seconds["held-out baseline"] == pytest.approx(500 * 0.29 / 4, abs=0.1)
     assert four.generations * four.prompts >= one.generations * one.prompts
 
@@ -131,17 +138,24 @@ def test_mpi_ranks_share_the_rows() -> None:
 def test_a_budget_too_small_for_a_useful_search_is_one_line_saying_what_fits() -> None:
     cfg = real_cfg("run.max_wall_seconds=300")
     with pytest.raises(UserError) as err:
-        make_plan(cfg, Costs(row=0.29, sft_step=6.6, spent=15), test_items=500, train_items=5000)
+        make_plan(
+            plan_inputs(cfg),
+            Costs(row=0.29, sft_step=6.6, spent=15),
+            test_items=500,
+            train_items=5000,
+        )
     text = str(err.value)
     assert "\n" not in text and text.startswith("run.max_wall_seconds: 300 s holds")
     need = int(text.split("raise it to at least ")[1].split(" s")[0])
     # The number it names is enough: a plan with that budget passes.
     ok = real_cfg(f"run.max_wall_seconds={need}")
-    plan = make_plan(ok, Costs(row=0.29, sft_step=6.6, spent=15), test_items=500, train_items=5000)
+    plan = make_plan(
+        plan_inputs(ok), Costs(row=0.29, sft_step=6.6, spent=15), test_items=500, train_items=5000
+    )
     assert plan.generations >= 10
     # After SFT a re-plan never raises: it takes the smallest sizes.
     late = make_plan(
-        cfg,
+        plan_inputs(cfg),
         Costs(row=0.29, sft_step=6.6, spent=200),
         test_items=500,
         train_items=5000,

@@ -543,6 +543,7 @@ class _StubEvaluator:
 def test_failed_candidates_get_nan_fitness_and_are_counted() -> None:
     from essa.config import Config
     from essa.dist import get_comm
+    from essa.es.generation import FitnessSettings
     from essa.es.generation import fault_counts as _fault_counts
     from essa.es.generation import generation_record as _generation_record
     from essa.es.generation import shard_fitness as _fitness
@@ -557,8 +558,9 @@ def test_failed_candidates_get_nan_fitness_and_are_counted() -> None:
     evaluator = _StubEvaluator()
     train = [Example(prompt="2+2=", answer="4", solution=None)] * 2
     cfg = Config()
+    settings = FitnessSettings.of(cfg.run, cfg.data, cfg.generation, cfg.reward)
     fitness, _ = _fitness(
-        cfg, 0, np.zeros((4, 3)), evaluator, train, ["2+2="] * 2, reward, get_comm()
+        settings, 0, np.zeros((4, 3)), evaluator, train, ["2+2="] * 2, reward, get_comm()
     )
     assert fitness[0] == 1.0 and np.isnan(fitness[1:]).all()  # inf, non-finite logits, None
     record = _generation_record(0, fitness, {}, 1.0, 10, evaluator)

@@ -126,7 +126,7 @@ def test_zero_singular_values_stay_put_and_the_rest_is_searched(partly_zero, nam
     cfg = load_config(None, ["optimizer.population_size=4", *OPTIMIZERS[name]])
     free = expected_free()
     x0 = np.where(free, 0.5, 0.0) * adapter.stds()  # a scale-baseline-like start
-    opt = make_es_optimizer(cfg, adapter, x0=x0)
+    opt = make_es_optimizer(cfg.optimizer, cfg.run.seed, adapter, x0=x0)
     assert isinstance(opt, Subspace) and opt.inner.dim == int(free.sum())
     rng = np.random.default_rng(0)
     for _ in range(3):
@@ -134,7 +134,7 @@ def test_zero_singular_values_stay_put_and_the_rest_is_searched(partly_zero, nam
         assert np.array_equal(population[:, ~free], np.zeros((4, int((~free).sum()))))
         opt.tell(population, rng.normal(size=4))
     assert np.all(opt.mean[~free] == 0.0) and np.any(opt.mean[free] != x0[free])
-    resumed = make_es_optimizer(cfg, adapter, x0=x0)
+    resumed = make_es_optimizer(cfg.optimizer, cfg.run.seed, adapter, x0=x0)
     resumed.load_state_dict(json.loads(json.dumps(opt.state_dict())))
     assert np.array_equal(resumed.ask(), opt.ask())
     assert resumed.checksum() == opt.checksum()
@@ -146,7 +146,7 @@ def test_flat_reward_widens_sigma_around_fixed_values(partly_zero) -> None:  # t
 
     _, adapter = partly_zero
     cfg = load_config(None, ["optimizer.population_size=4", "optimizer.escape_flat_reward=true"])
-    opt = make_es_optimizer(cfg, adapter)
+    opt = make_es_optimizer(cfg.optimizer, cfg.run.seed, adapter)
     metrics = _tell(cfg, opt, opt.ask(), np.array([1.0, 0.0, 0.0, 0.0]), {"reward_flat": 1.0})
     assert metrics["sigma_widened"] == 1.0
 

@@ -25,6 +25,7 @@ def main(request_path: str) -> None:
     from essa.backends.models import load_model
     from essa.backends.vllm import VLLMEvaluator
     from essa.config import load_config
+    from essa.setup import evaluator_settings
 
     request = json.loads(Path(request_path).read_text())
     populations = [np.asarray(p, dtype=np.float64) for p in request["populations"]]
@@ -43,7 +44,8 @@ def main(request_path: str) -> None:
     adapter = SVDAdapter.from_peft_model(peft_model, alpha=request["alpha"])
     del model, peft_model
     start = time.perf_counter()
-    evaluator = VLLMEvaluator(cfg, adapter, tokenizer, request["model"], slots=slots)
+    settings = evaluator_settings(cfg)
+    evaluator = VLLMEvaluator(settings, adapter, tokenizer, request["model"], slots=slots)
     init_seconds = time.perf_counter() - start
     completions, logprobs, nonfinite = [], [], []
     start = time.perf_counter()

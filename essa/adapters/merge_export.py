@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from essa.config import Config, GenerationConfig
+from essa.config import GenerationConfig, ModelConfig
 from essa.errors import UserError
 
 
@@ -69,13 +69,16 @@ def merge_adapter(base: Any, adapter_dir: Path) -> Any:
     return peft_model.merge_and_unload()
 
 
-def export_merged(cfg: Config, adapter_dir: Path, out_dir: Path) -> MergedExport:
-    """Merge ``adapter_dir`` into the base of ``cfg`` and save it as a plain checkpoint."""
+def export_merged(
+    model: ModelConfig, gen: GenerationConfig, adapter_dir: Path, out_dir: Path
+) -> MergedExport:
+    """Merge ``adapter_dir`` into the base ``model`` and save it as a plain checkpoint that
+    decodes as ``gen`` (the run's generation section)."""
     from essa.backends.models import load_model
     from essa.rundir import atomic_dir
 
     note = None
-    model_cfg = cfg.model
+    model_cfg = model
     if model_cfg.quantization != "none":
         note = (
             f"merged into the full-precision base: the run used {model_cfg.quantization} "
@@ -87,11 +90,9 @@ def export_merged(cfg: Config, adapter_dir: Path, out_dir: Path) -> MergedExport
     model_cfg = dataclasses.replace(model_cfg, device="cpu")  # the merge needs no accelerator
     base, tokenizer = load_model(model_cfg)
     merged = merge_adapter(base, adapter_dir)
-    merged.generation_config = generation_config(
-        cfg.generation, tokenizer, merged.generation_config
-    )
+    merged.generation_config = generation_config(gen, tokenizer, merged.generation_config)
     with atomic_dir(out_dir) as tmp:
         merged.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
     dtype = str(next(merged.parameters()).dtype).removeprefix("torch.")
-    return MergedExport(out_dir, adapter_dir, cfg.model.name_or_path, dtype, note)
+    return MergedExport(out_dir, adapter_dir, model.name_or_path, dtype, note)

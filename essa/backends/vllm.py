@@ -39,8 +39,8 @@ import numpy as np
 
 from essa.adapters import SVDAdapter
 from essa.backends.evaluator import EvalStats
+from essa.backends.settings import EvaluatorSettings
 from essa.backends.stops import stop_token_ids
-from essa.config import Config
 from essa.errors import UserError
 from essa.protocols import RowProgress
 from essa.types import Population
@@ -85,9 +85,11 @@ def lora_rank_for(adapter: SVDAdapter) -> int:
     raise UserError(f"adapter: LoRA rank {largest} exceeds vLLM's largest ({LORA_RANKS[-1]})")
 
 
-def make_engine(cfg: Config, model_path: str, max_loras: int, max_lora_rank: int) -> Any:
-    """A vLLM ``LLM`` for ``model_path`` with LoRA enabled, configured by ``cfg.vllm``."""
-    v = cfg.vllm
+def make_engine(
+    settings: EvaluatorSettings, model_path: str, max_loras: int, max_lora_rank: int
+) -> Any:
+    """A vLLM ``LLM`` for ``model_path`` with LoRA enabled, configured by ``settings.vllm``."""
+    v = settings.vllm
     if v.kv_cache_space_gb is not None:
         # Read by the CPU backend only (vLLM's CPU KV cache size in GiB); GPUs size it from
         # gpu_memory_utilization.
@@ -96,8 +98,8 @@ def make_engine(cfg: Config, model_path: str, max_loras: int, max_lora_rank: int
     options: dict[str, Any] = {
         "model": model_path,
         "tokenizer": model_path,
-        "dtype": cfg.model.dtype,
-        "trust_remote_code": cfg.model.trust_remote_code,
+        "dtype": settings.model.dtype,
+        "trust_remote_code": settings.model.trust_remote_code,
         "enable_lora": True,
         "max_loras": max_loras,
         "max_cpu_loras": max_loras,
@@ -106,7 +108,7 @@ def make_engine(cfg: Config, model_path: str, max_loras: int, max_lora_rank: int
         "gpu_memory_utilization": v.gpu_memory_utilization,
         "enforce_eager": v.enforce_eager,
         "enable_prefix_caching": v.enable_prefix_caching,
-        "seed": cfg.run.seed,
+        "seed": settings.seed,
     }
     optional = {
         "max_model_len": v.max_model_len,
@@ -137,7 +139,7 @@ class VLLMEvaluator:
 
     def __init__(
         self,
-        cfg: Config,
+        settings: EvaluatorSettings,
         adapter: SVDAdapter,
         tokenizer: Any,
         model_path: str,
@@ -145,12 +147,12 @@ class VLLMEvaluator:
         slots: int,
         engine: Any = None,
     ) -> None:
-        self.cfg = cfg
+        self.settings = settings
         self.adapter = adapter
         self.tokenizer = tokenizer
-        self.slots = max(1, cfg.vllm.max_loras or slots)
-        rank = cfg.vllm.max_lora_rank or lora_rank_for(adapter)
-        self.engine = engine or make_engine(cfg, model_path, self.slots, rank)
+        self.slots = max(1, settings.vllm.max_loras or slots)
+        rank = settings.vllm.max_lora_rank or lora_rank_for(adapter)
+        self.engine = engine or make_engine(settings, model_path, self.slots, rank)
         self.root = Path(_tmpfs()) / f"essa-{os.getpid()}-{id(self):x}"
         self.root.mkdir(parents=True, exist_ok=True)
         # Removes the tmpfs slots when the evaluator is collected or the interpreter exits.
@@ -253,7 +255,7 @@ class VLLMEvaluator:
     def _sampling_params(self, candidates: int) -> Any:
         from vllm import SamplingParams
 
-        gen = self.cfg.generation
+        gen = self.settings.generation
         common: dict[str, Any] = {
             "max_tokens": gen.new_tokens,
             "logprobs": 0,  # the sampled token's log-prob only
@@ -274,7 +276,7 @@ class VLLMEvaluator:
 
 
 def open_evaluator(
-    cfg: Config, tokenizer: Any, adapter: SVDAdapter, world_size: int
+    settings: EvaluatorSettings, tokenizer: Any, adapter: SVDAdapter, world_size: int
 ) -> VLLMEvaluator:
     """backend: vllm: one engine per rank, one LoRA slot per candidate of this rank's shard."""
     import gc
@@ -286,9 +288,9 @@ def open_evaluator(
     gc.collect()  # the HF copy of the base (SFT, SVD) must be gone before vLLM sizes its memory
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    slots = -(-cfg.optimizer.population_size // world_size)  # the largest shard
-    path = resolve_model_path(cfg.model.name_or_path)
-    return VLLMEvaluator(cfg, adapter, tokenizer, path, slots=slots)
+    slots = -(-settings.population_size // world_size)  # the largest shard
+    path = resolve_model_path(settings.model.name_or_path)
+    return VLLMEvaluator(settings, adapter, tokenizer, path, slots=slots)
 
 
 def model_generation_config(model_path: str) -> Any | None:

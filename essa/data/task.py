@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from essa import seeding
-from essa.config import Config, DataConfig
+from essa.config import DataConfig, ModelConfig
 from essa.errors import UserError
 from essa.types import Example
 
@@ -75,7 +75,7 @@ def render_prompts(
         raise UserError(f"data.template: {err}") from None
 
 
-def check_prompt_template(cfg: Config) -> None:
+def check_prompt_template(d: DataConfig, model: ModelConfig) -> None:
     """Refuse ``data.template`` (and ``data.system_prompt``) when the model's tokenizer cannot
     render it, before the model loads: the tokenizer alone loads in about a second, a GGUF not
     converted yet is read for its header only. A real tokenizer renders one question, so that a
@@ -83,14 +83,13 @@ def check_prompt_template(cfg: Config) -> None:
     from essa.backends.models import template_tokenizer
     from essa.data.templates import check_template, render_prompt
 
-    d = cfg.data
-    tokenizer = template_tokenizer(cfg.model)
+    tokenizer = template_tokenizer(model)
     try:
         check_template(d.template, tokenizer, d.system_prompt)
         if hasattr(tokenizer, "apply_chat_template"):  # a real tokenizer, not a GGUF header
             render_prompt(d.template, "1+1=", tokenizer, d.system_prompt)
     except ValueError as err:
-        raise UserError(f"data.template: {err} ({cfg.model.name_or_path})") from None
+        raise UserError(f"data.template: {err} ({model.name_or_path})") from None
 
 
 def render_splits(task: Task, data: DataConfig, tokenizer: Any) -> tuple[list[str], list[str]]:

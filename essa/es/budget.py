@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from essa.config import Config
+from essa.config import DataConfig, RunConfig
 
 if TYPE_CHECKING:
     from essa.data.task import Task
-    from essa.es.plan import Plan, TaskLengths
+    from essa.es.plan import Plan, PlanInputs, TaskLengths
     from essa.gradient.sft import SFTLimit
     from essa.harness import Harness
 
@@ -36,7 +36,7 @@ class Budget:
     @classmethod
     def start(
         cls,
-        cfg: Config,
+        cfg: PlanInputs,
         h: Harness,
         resume: bool,
         lengths: TaskLengths,
@@ -48,7 +48,7 @@ class Budget:
         """Probe and plan before SFT (print the plan); a resumed run re-reads its plan."""
         from essa.es.plan import Costs, make_plan, probe_costs
 
-        if not planned(cfg):
+        if not planned(cfg.run, cfg.backend):
             return cls(lengths=lengths)
         saved = h.run_dir / PLAN_NAME
         if resume and saved.is_file():
@@ -73,7 +73,7 @@ class Budget:
         budget.announce(h, "")
         return budget
 
-    def sft_limit(self, cfg: Config, tokenizer: Any, task: Task) -> SFTLimit | None:
+    def sft_limit(self, d: DataConfig, tokenizer: Any, task: Task) -> SFTLimit | None:
         """SFT's time limit and loss check (training examples the search also draws from,
         never held-out ones); None without a plan."""
         if self.plan is None:
@@ -83,12 +83,11 @@ class Budget:
         from essa.gradient.sft import SFTLimit
 
         check = task.train[:SFT_CHECK_ITEMS]
-        d = cfg.data
         prompts = render_prompts(check, d.template, tokenizer, d.system_prompt)
         return SFTLimit(self.plan.sft_seconds, check, prompts, SFT_CHECKS, SFT_PATIENCE)
 
     def remeasure(
-        self, cfg: Config, h: Harness, seconds: float, test_items: int, train_items: int
+        self, cfg: PlanInputs, h: Harness, seconds: float, test_items: int, train_items: int
     ) -> None:
         """Re-plan what follows the held-out baseline with that pass's cost per row (the
         population machinery on the SFT adapter, at the run's micro-batch)."""
@@ -128,17 +127,17 @@ class Budget:
         if h.is_root:
             atomic_write_json(h.run_dir / PLAN_NAME, self.plan.as_dict())
 
-    def adopt(self, cfg: Config, h: Harness, state: dict[str, Any] | None) -> Config:
-        """``cfg`` with the plan's candidates and prompts per generation; the plan comes from
-        the checkpoint on resume (so a resumed run searches as the uninterrupted one)."""
-        from essa.es.plan import apply_plan, plan_from_dict
+    def adopt(self, h: Harness, state: dict[str, Any] | None) -> Plan | None:
+        """The plan whose candidates and prompts per generation the search takes (None: no
+        plan); it comes from the checkpoint on resume (so a resumed run searches as the
+        uninterrupted one)."""
+        from essa.es.plan import plan_from_dict
 
         if state is not None and state.get("plan") is not None:
             self.plan = plan_from_dict(state["plan"])
-        if self.plan is None:
-            return cfg
-        h.reporter.planned.update(self.plan.seconds)
-        return apply_plan(cfg, self.plan)
+        if self.plan is not None:
+            h.reporter.planned.update(self.plan.seconds)
+        return self.plan
 
     @property
     def items(self) -> int | None:
@@ -152,9 +151,9 @@ class Budget:
         return SCALE_PROMPTS if self.plan is None else max(1, self.plan.start_prompts)
 
 
-def planned(cfg: Config) -> bool:
+def planned(run: RunConfig, backend: str) -> bool:
     """Whether this run plans its budget: ESSA on the HF backend with a wall-clock budget."""
-    return bool(cfg.run.plan and cfg.run.max_wall_seconds and cfg.backend == "hf")
+    return bool(run.plan and run.max_wall_seconds and backend == "hf")
 
 
 def _slowest(h: Harness, value: float) -> float:

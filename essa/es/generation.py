@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from essa import seeding
-from essa.config import Config
+from essa.config import DataConfig, GenerationConfig, RewardConfig, RunConfig
 from essa.dist import Comm
 from essa.errors import UserError
 from essa.protocols import (
@@ -184,8 +185,26 @@ def heldout_texts(
     return texts
 
 
+@dataclass(frozen=True)
+class FitnessSettings:
+    """What one generation's fitness reads of the config."""
+
+    seed: int  # run.seed: the prompt mini-batch, the sampling and the reward draws
+    batch_size: int  # data.batch_size: prompts per generation, shared by all candidates
+    samples_per_prompt: int = 1  # generation.samples_per_prompt: completions per prompt
+    reference_weight: float = 0.0  # reward.reference_weight: the dense tie-breaker's weight
+
+    @classmethod
+    def of(
+        cls, run: RunConfig, data: DataConfig, generation: GenerationConfig, reward: RewardConfig
+    ) -> FitnessSettings:
+        return cls(
+            run.seed, data.batch_size, generation.samples_per_prompt, reward.reference_weight
+        )
+
+
 def shard_fitness(
-    cfg: Config,
+    settings: FitnessSettings,
     g: int,
     population: Population,
     evaluator: Evaluator,
@@ -204,7 +223,7 @@ def shard_fitness(
     from essa.dist import shard
     from essa.rewards import fitness_from_rewards
 
-    idx = minibatch(len(train), cfg.data.batch_size, cfg.run.seed, g).tolist()
+    idx = minibatch(len(train), settings.batch_size, settings.seed, g).tolist()
     if informative is None:
         prompts = [train_prompts[i] for i in idx]
     else:
@@ -213,9 +232,9 @@ def shard_fitness(
     answers = [train[i].answer for i in idx]
     span = shard(len(population), comm.rank, comm.world_size)
     mine = population[span]
-    seed = cfg.run.seed * 100_003 + g
-    k = cfg.generation.samples_per_prompt
-    weight = cfg.reward.reference_weight
+    seed = settings.seed * 100_003 + g
+    k = settings.samples_per_prompt
+    weight = settings.reference_weight
     # The dense tie-breaker rides in the generation's prefill (load_reward admits it on HF only).
     extra: dict[str, Any] = {}
     if weight:
@@ -226,7 +245,7 @@ def shard_fitness(
     else:
         with rows(len(mine) * len(prompts) * k) as bar:
             texts = evaluator.completions(mine, prompts, seed, bar.advance, samples=k, **extra)
-    keys = draw_keys(cfg.run.seed, (GENERATION_SITE, g), idx, range(span.start, span.stop), k)
+    keys = draw_keys(settings.seed, (GENERATION_SITE, g), idx, range(span.start, span.stop), k)
     graded, pool = scores(
         reward,
         evaluator,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from essa.config import Config
+from essa.config import OptimizerConfig
 from essa.errors import UserError
 from essa.types import AdapterVector
 
@@ -20,9 +20,10 @@ log = logging.getLogger(__name__)
 
 
 def make_es_optimizer(
-    cfg: Config, adapter: SVDAdapter, x0: AdapterVector | None = None
+    o: OptimizerConfig, seed: int, adapter: SVDAdapter, x0: AdapterVector | None = None
 ) -> Optimizer:
-    """The configured optimizer over the adapter's D offsets, layerwise when configured.
+    """The configured optimizer over the adapter's D offsets, layerwise when configured;
+    ``seed``: the run's (run.seed).
 
     ``x0`` (D,): the initial mean; None = zeros, the SFT adapter itself. With relative steps,
     coordinates that no step can move (``SVDAdapter.searchable``: zero singular values, modules
@@ -32,7 +33,6 @@ def make_es_optimizer(
     from essa.optimizers import make_optimizer
     from essa.optimizers.subspace import Subspace
 
-    o = cfg.optimizer
     options: dict[str, Any] = (
         {"variant": o.variant, "sep_above_dim": o.sep_above_dim, "mirrored": o.mirrored}
         if o.name == "cma_es"
@@ -45,7 +45,7 @@ def make_es_optimizer(
     options.update(
         population_size=o.population_size,
         sigma0=o.sigma0,
-        seed=cfg.run.seed,
+        seed=seed,
         stds=stds if free is None or stds is None else stds[free],
     )
     if x0 is not None:  # only then: layerwise checkpoints written before x0 still load
@@ -54,20 +54,23 @@ def make_es_optimizer(
     if o.layerwise.active_layers is None:
         opt = make_optimizer(o.name, dim, **options)
     else:
-        opt = _layerwise_optimizer(cfg, adapter, dim, free, options)
+        opt = _layerwise_optimizer(o, adapter, dim, free, options)
     if free is None:
         return opt
     return Subspace(opt, free, np.zeros(adapter.dim) if x0 is None else np.asarray(x0))
 
 
 def _layerwise_optimizer(
-    cfg: Config, adapter: SVDAdapter, dim: int, free: np.ndarray | None, options: dict[str, Any]
+    o: OptimizerConfig,
+    adapter: SVDAdapter,
+    dim: int,
+    free: np.ndarray | None,
+    options: dict[str, Any],
 ) -> Optimizer:
     """LayerwiseES over the layers' searched coordinates (renumbered into ``free``'s)."""
     from essa.adapters.blocks import layer_blocks
     from essa.optimizers.layerwise import LayerwiseES
 
-    o = cfg.optimizer
     try:
         blocks = layer_blocks(adapter.manifest())
     except ValueError as err:
@@ -92,20 +95,22 @@ def _layerwise_optimizer(
     )
 
 
-def check_searchable(cfg: Config, adapter: SVDAdapter, adapter_dir: str) -> None:
-    """Refuse, in one line, an adapter (loaded from ``adapter_dir``) whose update gamma * B A
-    no search step can move.
+def check_searchable(
+    o: OptimizerConfig, adapter: SVDAdapter, adapter_dir: str, *, given: bool
+) -> None:
+    """Refuse, in one line, an adapter (loaded from ``adapter_dir``; ``given``: by adapter.path,
+    else trained by SFT) whose update gamma * B A no search step can move.
 
     With relative steps a zero singular value stays zero, and a zero factor keeps B'A' zero:
     an untrained LoRA (B at PEFT's zero init) has nothing to search. With absolute steps only
     gamma = 0 (lora_alpha 0) leaves nothing to search.
     """
-    if cfg.optimizer.use_relative_steps:
+    if o.use_relative_steps:
         if adapter.searchable().any():
             return
     elif any(module.gamma != 0 for module in adapter.modules):
         return
-    where = f"adapter.path: {adapter_dir}" if cfg.adapter.path else f"sft: {adapter_dir}"
+    where = f"adapter.path: {adapter_dir}" if given else f"sft: {adapter_dir}"
     raise UserError(
         f"{where} is an untrained LoRA (in every module B or A is zero, or lora_alpha is 0), "
         "so ESSA has no singular value to search; use a trained adapter (adapter.path) or "

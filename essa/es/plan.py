@@ -36,9 +36,17 @@ import statistics
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from essa.config import Config
+from essa.config import (
+    AdapterConfig,
+    DataConfig,
+    EvaluationConfig,
+    GenerationConfig,
+    OptimizerConfig,
+    RunConfig,
+    SFTConfig,
+)
 from essa.errors import UserError
 
 SFT_SHARE = 0.15  # SFT stops at this share of the budget at the latest
@@ -124,21 +132,33 @@ def reference_texts(examples: Sequence[Any]) -> list[str]:
 
 
 def resolve_lengths(
-    cfg: Config, tokenizer: Any, prompts: Sequence[str], references: Sequence[str]
-) -> tuple[Config, TaskLengths, str | None]:
-    """``cfg`` with ``generation.max_new_tokens`` resolved (auto -> a number), the lengths it
-    came from, and a warning line when a fixed value is too short for the references."""
-    gen = cfg.generation
+    gen: GenerationConfig, tokenizer: Any, prompts: Sequence[str], references: Sequence[str]
+) -> tuple[GenerationConfig, TaskLengths, str | None]:
+    """``gen`` with ``max_new_tokens`` resolved (auto -> a number), the lengths it came from,
+    and a warning line when a fixed value is too short for the references."""
     fixed = gen.max_new_tokens if isinstance(gen.max_new_tokens, int) else None
     lengths = measure_task(tokenizer, prompts, references, fixed)
     if fixed is not None:
-        return cfg, lengths, length_warning(fixed, lengths)
-    gen = dataclasses.replace(gen, max_new_tokens=auto_max_new_tokens(lengths))
-    return dataclasses.replace(cfg, generation=gen), lengths, None
+        return gen, lengths, length_warning(fixed, lengths)
+    return dataclasses.replace(gen, max_new_tokens=auto_max_new_tokens(lengths)), lengths, None
 
 
 # ---------------------------------------------------------------------------------------------
 # Costs and the plan
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """The config sections the plan reads (``essa.setup.plan_inputs`` takes them from a config)."""
+
+    run: RunConfig  # the budget, the generations, whether to plan
+    optimizer: OptimizerConfig  # candidates per generation, the scaled start
+    data: DataConfig  # prompts per generation
+    generation: GenerationConfig  # resolved: max_new_tokens is a number
+    evaluation: EvaluationConfig  # held-out checks, the scale baseline, the probe's micro-batch
+    sft: SFTConfig  # SFT's steps and batch
+    adapter: AdapterConfig  # a given adapter (adapter.path) needs no SFT
+    backend: Literal["hf", "vllm"] = "hf"  # only the HF backend plans
 
 
 @dataclass(frozen=True)
@@ -195,7 +215,7 @@ def probe_costs(
     model: Any,
     tokenizer: Any,
     prompts: Sequence[str],
-    cfg: Config,
+    cfg: PlanInputs,
     spent: float,
     lengths: TaskLengths,
 ) -> Costs:
@@ -237,7 +257,7 @@ def probe_costs(
 
 
 def make_plan(
-    cfg: Config,
+    cfg: PlanInputs,
     costs: Costs,
     *,
     test_items: int,
@@ -281,7 +301,7 @@ def make_plan(
 
 def _sized(
     budget: float,
-    cfg: Config,
+    cfg: PlanInputs,
     costs: Costs,
     test_items: int,
     train_items: int,
@@ -347,7 +367,7 @@ def _sized(
 
 
 def generation_sizes(
-    population: int, prompts: int, batch_size: int, o: Any
+    population: int, prompts: int, batch_size: int, o: OptimizerConfig
 ) -> list[tuple[int, int]]:
     """(candidates, prompts) per generation, largest first, within the stated bounds: prompts
     down to :data:`MIN_PROMPT_SHARE` of ``data.batch_size`` first, then candidates down to
@@ -359,16 +379,6 @@ def generation_sizes(
     sizes = [(population, p) for p in range(prompts, floor_prompts - 1, -1)]
     sizes += [(n, floor_prompts) for n in range(population - step, floor_population - 1, -step)]
     return sizes
-
-
-def apply_plan(cfg: Config, plan: Plan) -> Config:
-    """``cfg`` with the planned candidates and prompts per generation (the other sizes are read
-    from the plan where they are used)."""
-    return dataclasses.replace(
-        cfg,
-        data=dataclasses.replace(cfg.data, batch_size=plan.prompts),
-        optimizer=dataclasses.replace(cfg.optimizer, population_size=plan.population),
-    )
 
 
 def plan_from_dict(data: dict[str, Any]) -> Plan:

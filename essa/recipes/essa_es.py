@@ -33,6 +33,7 @@ from essa.config import Config
 from essa.dist import Comm
 from essa.es.budget import Budget
 from essa.es.generation import (
+    FitnessSettings,
     check_generation,
     fault_counts,
     fault_delta,
@@ -82,27 +83,32 @@ def run(
     task = load_task(cfg.data, cfg.run.seed)
     h.check_heldout(task.test)  # before the model loads
     vllm = cfg.backend == "vllm"  # it returns the sampled tokens' log-probs, not the reference's
-    reward = load_reward(cfg.reward, recipe="ESSA", **es_reward_inputs(cfg))
-    check_vote_size(cfg, reward)
+    inputs = es_reward_inputs(cfg.reward, cfg.generation, cfg.backend)
+    reward = load_reward(cfg.reward, recipe="ESSA", **inputs)
+    check_vote_size(cfg.generation, cfg.optimizer.population_size, reward)
     with h:  # the trackers close whatever happens
         model, tokenizer = setup.load_base_model(cfg, h)
         base_bytes = model_bytes(model)  # the base weights as stored (quantised ones packed)
         cfg, lengths = setup.resolve_lengths(cfg, tokenizer, task, h.say)
         train_prompts, test_prompts = render_splits(task, cfg.data, tokenizer)
-        budget = Budget.start(cfg, h, resume, lengths, model, tokenizer, task, train_prompts)
+        budget = Budget.start(
+            setup.plan_inputs(cfg), h, resume, lengths, model, tokenizer, task, train_prompts
+        )
         peft_model, sft_dir = setup.adapter_on_every_rank(
-            cfg, model, tokenizer, task, h, budget.sft_limit(cfg, tokenizer, task)
+            cfg, model, tokenizer, task, h, budget.sft_limit(cfg.data, tokenizer, task)
         )
         adapter = svd_adapter(peft_model, cfg.adapter.alpha)
-        check_searchable(cfg, adapter, sft_dir)  # before the baseline passes
+        # before the baseline passes
+        check_searchable(cfg.optimizer, adapter, sft_dir, given=bool(cfg.adapter.path))
         base = None if vllm else peft_model.unload()  # the engine loads its own copy of the base
         del model, peft_model
-        evaluator = population_evaluator(cfg, base, tokenizer, adapter, h.comm.world_size)
+        settings = setup.evaluator_settings(cfg)
+        evaluator = population_evaluator(settings, base, tokenizer, adapter, h.comm.world_size)
         evaluator.record_logprobs = COMPLETION_LOGPROBS in reward.needs  # type: ignore[attr-defined]
         heldout = functools.partial(_heldout, h, evaluator, task.test, test_prompts)
         drift = functools.partial(_drift, cfg, h, base, tokenizer, adapter, task.test)
         # A resumed run's optimizer has the population its plan gave it (plan.json).
-        build = functools.partial(_optimizer, budget.adopt(cfg, h, None), adapter)
+        build = functools.partial(_optimizer, setup.apply_plan(cfg, budget.adopt(h, None)), adapter)
         opt, loaded = _load_checkpoint(run_dir, build) if resume else (None, None)
         state = h.restore(loaded, done=opt.generation if opt is not None else 0)
         if state is None:
@@ -110,7 +116,8 @@ def run(
                 cfg, h, evaluator, adapter, task, train_prompts, reward, heldout, budget
             )
             h.log(_baseline_record(state, adapter.dim, memory_metrics(base_bytes)))
-        cfg = budget.adopt(cfg, h, state)  # the planned candidates and prompts per generation
+        # The planned candidates and prompts per generation.
+        cfg = setup.apply_plan(cfg, budget.adopt(h, state))
         opt = opt if opt is not None else _optimizer(cfg, adapter, state.get("scale_baseline"))
         informative = _informative(cfg, tokenizer, state.get("informative"))
         h.say(
@@ -194,8 +201,9 @@ def _generation(
     bytes_before, tokens_before = comm.comm_bytes, evaluator.stats.new_tokens
     faults_before = fault_counts(reward, evaluator)
     population = opt.ask()  # (P, D), identical on every rank
+    settings = FitnessSettings.of(cfg.run, cfg.data, cfg.generation, cfg.reward)
     fitness, pool = shard_fitness(
-        cfg, g, population, evaluator, problems, prompts, reward, comm, rows, informative
+        settings, g, population, evaluator, problems, prompts, reward, comm, rows, informative
     )
     faults = fault_delta(faults_before, fault_counts(reward, evaluator))
     check_generation(g, fitness, faults, reward.name)
@@ -256,6 +264,7 @@ def _initial_state(
 ) -> dict[str, Any]:
     """Fresh-run state: the SFT adapter's held-out accuracy and the no-search baseline (and,
     in a budgeted run, the plan re-made with the baseline pass's measured cost)."""
+    from essa import setup
     from essa.es.start import scale_baseline, scale_rows
 
     start = time.perf_counter()
@@ -265,7 +274,8 @@ def _initial_state(
         "best_vector": None,
         "elapsed": 0.0,
     }
-    budget.remeasure(cfg, h, time.perf_counter() - start, len(task.test), len(task.train))
+    seconds = time.perf_counter() - start
+    budget.remeasure(setup.plan_inputs(cfg), h, seconds, len(task.test), len(task.train))
     if budget.plan is not None:
         state["plan"] = budget.plan.as_dict()
     if cfg.evaluation.use_scale_baseline or cfg.optimizer.start == "scale_baseline":
@@ -324,8 +334,9 @@ def _optimizer(cfg: Config, adapter: SVDAdapter, scale: dict[str, Any] | None) -
     from essa.es.start import scale_vector
 
     if cfg.optimizer.start == "scale_baseline" and scale is not None:
-        return make_es_optimizer(cfg, adapter, x0=scale_vector(adapter, scale["factor"]))
-    return make_es_optimizer(cfg, adapter)
+        x0 = scale_vector(adapter, scale["factor"])
+        return make_es_optimizer(cfg.optimizer, cfg.run.seed, adapter, x0=x0)
+    return make_es_optimizer(cfg.optimizer, cfg.run.seed, adapter)
 
 
 def _start_note(cfg: Config, scale: dict[str, Any] | None) -> str:

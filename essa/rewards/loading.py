@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from essa.config import Config, RewardConfig
+from essa.config import GenerationConfig, RewardConfig
 from essa.errors import UserError
 from essa.rewards.base import DRAW_KEYS, Reward
 from essa.rewards.logprob import COMPLETION_LOGPROBS, REFERENCE_LOGPROBS
@@ -44,13 +44,15 @@ def load_reward(
     return reward
 
 
-def es_reward_inputs(cfg: Config) -> dict[str, Any]:
+def es_reward_inputs(
+    reward: RewardConfig, generation: GenerationConfig, backend: str
+) -> dict[str, Any]:
     """What ESSA can feed a reward: groups (k samples, or the population as the vote pool),
     log-probs (generated tokens' on both backends, the reference's teacher-forced on HF) and
     the items' draw keys."""
-    k = cfg.generation.samples_per_prompt
-    pooled = cfg.reward.params.get("pool") == "population"
-    logprobs = {COMPLETION_LOGPROBS} | (set() if cfg.backend == "vllm" else {REFERENCE_LOGPROBS})
+    k = generation.samples_per_prompt
+    pooled = reward.params.get("pool") == "population"
+    logprobs = {COMPLETION_LOGPROBS} | (set() if backend == "vllm" else {REFERENCE_LOGPROBS})
     return {
         "groups": k > 1 or pooled,
         "provides": frozenset({*logprobs, DRAW_KEYS}),
@@ -62,16 +64,16 @@ def es_reward_inputs(cfg: Config) -> dict[str, Any]:
     }
 
 
-def check_vote_size(cfg: Config, reward: Reward) -> None:
+def check_vote_size(generation: GenerationConfig, population_size: int, reward: Reward) -> None:
     """Refuse a group reward's ``min_group_size`` that no ESSA vote reaches: every item would
     be ungradable and every candidate fail. A vote sees a candidate's k samples of a prompt, or
     under ``pool: population`` all P candidates' k samples."""
     size = reward.params.get("min_group_size")
     if not reward.is_group or not isinstance(size, int):
         return
-    k = cfg.generation.samples_per_prompt
+    k = generation.samples_per_prompt
     pooled = reward.pool == "population"
-    votes = k * cfg.optimizer.population_size if pooled else k
+    votes = k * population_size if pooled else k
     if size > votes:
         where = "optimizer.population_size x " if pooled else ""
         raise UserError(

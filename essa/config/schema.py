@@ -1,0 +1,191 @@
+"""The top-level schema: :class:`Config` composes the sections, and :func:`check_values` runs
+each section's own checks, then the checks that span sections (an algorithm, a backend and the
+keys they need)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from essa.config.backend import (
+    VLLM_DROPPED_QUANTIZATION,
+    AdapterConfig,
+    GenerationConfig,
+    ModelConfig,
+    VLLMConfig,
+    check_adapter,
+    check_generation,
+    check_model,
+    check_vllm_ranges,
+)
+from essa.config.data import DataConfig, RewardConfig, check_data, check_reward
+from essa.config.errors import ConfigError
+from essa.config.es import OptimizerConfig, check_layerwise, check_optimizer
+from essa.config.evaluation import EvaluationConfig, check_evaluation
+from essa.config.gradient import (
+    DPOConfig,
+    GRPOConfig,
+    ScaleBiOConfig,
+    SFTConfig,
+    check_dpo,
+    check_grpo,
+    check_prm_credit,
+    check_scalebio,
+    check_sft,
+)
+from essa.config.run import RunConfig, check_run
+from essa.config.tools import ToolsConfig, check_tools
+
+
+@dataclass(frozen=True)
+class Config:
+    algorithm: Literal["essa", "grpo", "dpo", "scalebio"] = "essa"
+    backend: Literal["hf", "vllm"] = "hf"  # evaluation backend of the ESSA recipe
+    model: ModelConfig = field(default_factory=ModelConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    scalebio: ScaleBiOConfig = field(default_factory=ScaleBiOConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+
+
+def check_values(cfg: Config) -> None:
+    """Range checks that types cannot express: each section's, then those across sections."""
+    check_optimizer(cfg.optimizer)
+    check_adapter(cfg.adapter)
+    check_data(cfg.data)
+    check_generation(cfg.generation)
+    check_evaluation(cfg.evaluation)
+    check_sft(cfg.sft)
+    check_run(cfg.run)
+    check_model(cfg.model)
+    check_reward(cfg.reward)
+    check_grpo(cfg.grpo, cfg.generation.max_new_tokens)
+    check_dpo(cfg.dpo)
+    check_scalebio(cfg.scalebio)
+    check_layerwise(cfg.optimizer.layerwise)
+    check_vllm_ranges(cfg.vllm)
+    check_tools(cfg.tools)
+    _check_reference_weight(cfg)
+    _check_sft_adapter(cfg)
+    if cfg.model.quantization != "none" and cfg.evaluation.strategy == "merged":
+        raise ConfigError(
+            f"evaluation.strategy: merged cannot fold candidates into "
+            f"model.quantization={cfg.model.quantization} weights; use batched or auto"
+        )
+    gym_params = cfg.reward.params.get("params") or {}
+    if cfg.reward.name == "gym_score" and gym_params != cfg.data.params:
+        raise ConfigError(
+            "reward.params.params: gym_score regenerates the task, so it needs the same "
+            f"parameters as data.params; got {gym_params} vs {cfg.data.params}"
+        )
+    check_prm_credit(cfg.grpo, cfg.algorithm, cfg.reward.name)
+    _check_scalebio(cfg)
+    _check_vllm(cfg)
+
+
+def _check_reference_weight(cfg: Config) -> None:
+    w = cfg.reward.reference_weight
+    if w and cfg.algorithm != "essa":
+        raise ConfigError(
+            "reward.reference_weight: the tie-breaker is part of the ESSA fitness; "
+            f"algorithm {cfg.algorithm} takes the reward as it is (set it to 0)"
+        )
+    if w and cfg.backend != "hf":
+        raise ConfigError(
+            "reward.reference_weight: the reference is teacher-forced in the HF decode loop's "
+            "prefill; backend: vllm does not return prompt log-probs per candidate (set it to 0)"
+        )
+
+
+def _check_sft_adapter(cfg: Config) -> None:
+    """ESSA searches the SFT adapter's singular values: refuse one that is zero by config."""
+    if cfg.algorithm != "essa" or cfg.adapter.path is not None:
+        return
+    if cfg.sft.steps == 0 and cfg.optimizer.use_relative_steps:
+        raise ConfigError(
+            "sft.steps: must be > 0 without adapter.path: 0 leaves the new LoRA's B at zero "
+            "(PEFT's initialisation) and ESSA's relative steps have no singular value to "
+            "scale; train it, or set adapter.path to a trained LoRA"
+        )
+
+
+def _check_vllm(cfg: Config) -> None:
+    v = cfg.vllm
+    if cfg.backend != "vllm":
+        return
+    if cfg.algorithm != "essa":
+        raise ConfigError(
+            f"backend: vllm evaluates ESSA populations only; algorithm {cfg.algorithm} "
+            "needs backend: hf"
+        )
+    if cfg.model.quantization != "none":
+        raise ConfigError(
+            f"model.quantization: {cfg.model.quantization} is bitsandbytes (HF backend only); "
+            "vLLM dropped bitsandbytes: with backend: vllm use a pre-quantised AWQ/GPTQ/FP8 "
+            "checkpoint and vllm.quantization"
+        )
+    if cfg.model.gguf_file:
+        raise ConfigError("model.gguf_file: GGUF checkpoints need backend: hf")
+    if v.quantization in VLLM_DROPPED_QUANTIZATION:
+        raise ConfigError(
+            f"vllm.quantization: {v.quantization} is gone from recent vLLM; INT4 on vLLM means "
+            "a pre-quantised AWQ/GPTQ checkpoint (or fp8, compressed-tensors)"
+        )
+
+
+def _check_scalebio(cfg: Config) -> None:
+    sources = cfg.data.sources
+    if sources and cfg.algorithm != "scalebio":
+        raise ConfigError(
+            f"data.sources: a mixture of sources is trained by algorithm: scalebio, not "
+            f"{cfg.algorithm} (use data.source)"
+        )
+    for name, path in sources.items():
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"data.sources.{name}: expected a file path or builtin:NAME")
+    if cfg.algorithm != "scalebio":
+        return
+    if len(sources) < 2:
+        raise ConfigError(
+            f"data.sources: scalebio reweights two or more sources (name: path), got {len(sources)}"
+        )
+    if cfg.data.sft_size < 1:
+        raise ConfigError(
+            "data.sft_size: scalebio validates on the sft split of data.source; must be >= 1"
+        )
+    if cfg.adapter.path is not None:
+        raise ConfigError(
+            "adapter.path: scalebio fine-tunes the base weights with LISA and takes no LoRA "
+            "adapter; merge it into the model first (essa export --merged) or drop adapter.path"
+        )
+
+
+TINY_SFT_STEPS = 20
+
+
+def tiny_sft_warning(cfg: Config) -> str | None:
+    """One line when a real (non-builtin) model starts from a tiny SFT of its own, else None.
+
+    Tiny: fewer than :data:`TINY_SFT_STEPS` optimizer steps, or less than one pass over the
+    SFT examples; the search can only rescale what SFT found (essa.md §1.2).
+    """
+    if cfg.model.name_or_path.startswith("builtin:") or cfg.adapter.path is not None:
+        return None
+    s = cfg.sft
+    if s.steps >= TINY_SFT_STEPS and s.steps * s.batch_size >= cfg.data.sft_size:
+        return None
+    return (
+        f"warning: sft.steps={s.steps} x sft.batch_size={s.batch_size} on "
+        f"{cfg.data.sft_size} examples is a tiny SFT for {cfg.model.name_or_path}; ESSA only "
+        "searches the singular values SFT found, so train a real SFT first (raise sft.steps, "
+        "or set adapter.path to a trained LoRA)"
+    )
