@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from essa.config import Config
-from essa.data.task import Task, render_prompts
+from essa.data.task import Task, load_task, render_prompts
 from essa.errors import UserError
 
 if TYPE_CHECKING:
@@ -225,3 +225,39 @@ def one_process_harness(
             "ranks); launch it without mpiexec/srun"
         )
     return Harness(cfg, run_dir, resume=resume, console=console, comm=comm, unit="steps")
+
+
+def open_run(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    resume: bool,
+    console: Any,
+    comm: Comm | None,
+    gradient: bool,
+) -> tuple[Harness, Task]:
+    """Every recipe's first step: the harness, the seeded global RNGs and the task's splits,
+    with the held-out split checked before anything loads. ``gradient``: a gradient recipe,
+    one process and steps as its unit (:func:`one_process_harness`)."""
+    from essa.dist import get_comm
+    from essa.harness import Harness
+
+    if gradient:
+        h = one_process_harness(cfg, run_dir, resume=resume, console=console, comm=comm)
+    else:
+        h = Harness(cfg, run_dir, resume=resume, console=console, comm=comm or get_comm())
+    seed_everything(cfg.run.seed)
+    task = load_task(cfg.data, cfg.run.seed)
+    h.check_heldout(task.test)  # before the model loads
+    return h, task
+
+
+def open_model(cfg: Config, h: Harness, task: Task) -> tuple[Config, Any, Any, int]:
+    """(cfg with its lengths resolved, model, tokenizer, the base weights' bytes as stored),
+    inside the harness: the "model load" phase, then ``generation.max_new_tokens: auto``."""
+    from essa.backends.memory import model_bytes
+
+    model, tokenizer = load_base_model(cfg, h)
+    base_bytes = model_bytes(model)  # quantised weights counted packed, as stored
+    cfg, _ = resolve_lengths(cfg, tokenizer, task, h.say)
+    return cfg, model, tokenizer, base_bytes

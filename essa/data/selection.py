@@ -275,3 +275,21 @@ class Informative:
                 str(i): [r.visits, r.easy, r.hard, r.zero] for i, r in sorted(self.records.items())
             },
         }
+
+
+def informative_prompts(
+    data: DataConfig,
+    seed: int,
+    rows_per_prompt: int,
+    tokenizer: Any,
+    state: dict[str, Any] | None = None,
+) -> Informative | None:
+    """The per-prompt history of ``data.selection`` / ``data.hints`` for prompts rendered in
+    ``data.template`` (None when both are off); ``rows_per_prompt`` is what one visit of a prompt
+    generates (ESSA: candidates x samples; GRPO: the group)."""
+    from essa.data.task import render_prompts
+
+    def render(examples: list[Example]) -> list[str]:
+        return render_prompts(examples, data.template, tokenizer, data.system_prompt)
+
+    return Informative.build(data, seed, rows_per_prompt, render, state)

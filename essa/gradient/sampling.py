@@ -30,10 +30,8 @@ from essa.gradient.data import TaskData, draw
 from essa.gradient.policy import Policy, Rollout, Sampling, merge, rollout, select
 from essa.gradient.prm_credit import step_credit
 from essa.rewards.base import DrawKey, Reward, score
-from essa.types import Example
 
 if TYPE_CHECKING:
-    from essa.config import DataConfig
     from essa.data.selection import Informative
     from essa.harness import Phase
 
@@ -79,19 +77,6 @@ def draw_prompts(g: GRPOConfig, n_train: int, seed: int, step: int, rounds: int)
         rng = seeding.rng(seed, "grpo.prompts", step, rounds)
         return rng.choice(n_train, size=g.prompts_per_step, replace=True).tolist()
     return draw(n_train, g.prompts_per_step, seed, "grpo.prompts", step, rounds)
-
-
-def informative_prompts(
-    d: DataConfig, seed: int, group_size: int, tokenizer: Any, state: dict[str, Any] | None
-) -> Informative | None:
-    """The per-prompt history of data.selection / data.hints (None when both are off)."""
-    from essa.data.selection import Informative
-    from essa.data.task import render_prompts
-
-    def render(examples: list[Example]) -> list[str]:
-        return render_prompts(examples, d.template, tokenizer, d.system_prompt)
-
-    return Informative.build(d, seed, group_size, render, state)
 
 
 def sample_groups(

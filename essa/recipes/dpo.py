@@ -60,15 +60,11 @@ def run(
 ) -> dict[str, Any]:
     """Train with DPO; return the summary (also in summary.json)."""
     from essa import setup
-    from essa.backends.memory import model_bytes
-    from essa.data.task import load_task, render_prompts
+    from essa.data.task import render_prompts
     from essa.rewards.loading import load_reward
 
-    h = setup.one_process_harness(cfg, run_dir, resume=resume, console=console, comm=comm)
+    h, task = setup.open_run(cfg, run_dir, resume=resume, console=console, comm=comm, gradient=True)
     d = cfg.dpo
-    setup.seed_everything(cfg.run.seed)
-    task = load_task(cfg.data, cfg.run.seed)
-    h.check_heldout(task.test)  # before the model loads
     pairs = _load_pairs(d.pairs) if d.pairs else None
     reward = None
     if not pairs:
@@ -77,9 +73,7 @@ def run(
             cfg.reward, recipe="DPO", groups=True, provides=provides, deadline=False
         )
     with h:
-        model, tokenizer = setup.load_base_model(cfg, h)
-        cfg, _ = setup.resolve_lengths(cfg, tokenizer, task, h.say)
-        base_bytes = model_bytes(model)
+        cfg, model, tokenizer, base_bytes = setup.open_model(cfg, h, task)
         peft_model, sft_dir = setup.load_or_train_adapter(
             cfg, model, tokenizer, task, run_dir, h.reporter
         )

@@ -73,15 +73,14 @@ def run(
     from essa.adapters.svd import svd_adapter
     from essa.backends import population_evaluator
     from essa.backends.memory import memory_metrics, model_bytes
-    from essa.data.task import load_task, render_splits
-    from essa.dist import get_comm
+    from essa.data.selection import informative_prompts
+    from essa.data.task import render_splits
     from essa.es.optimizer import check_searchable
     from essa.rewards.loading import check_vote_size, es_reward_inputs, load_reward
 
-    h = Harness(cfg, run_dir, resume=resume, console=console, comm=comm or get_comm())
-    setup.seed_everything(cfg.run.seed)
-    task = load_task(cfg.data, cfg.run.seed)
-    h.check_heldout(task.test)  # before the model loads
+    h, task = setup.open_run(
+        cfg, run_dir, resume=resume, console=console, comm=comm, gradient=False
+    )
     vllm = cfg.backend == "vllm"  # it returns the sampled tokens' log-probs, not the reference's
     inputs = es_reward_inputs(cfg.reward, cfg.generation, cfg.backend)
     reward = load_reward(cfg.reward, recipe="ESSA", **inputs)
@@ -119,7 +118,10 @@ def run(
         # The planned candidates and prompts per generation.
         cfg = setup.apply_plan(cfg, budget.adopt(h, state))
         opt = opt if opt is not None else _optimizer(cfg, adapter, state.get("scale_baseline"))
-        informative = _informative(cfg, tokenizer, state.get("informative"))
+        rows = cfg.optimizer.population_size * cfg.generation.samples_per_prompt
+        informative = informative_prompts(
+            cfg.data, cfg.run.seed, rows, tokenizer, state.get("informative")
+        )
         h.say(
             f"ESSA: D={adapter.dim} singular-value offsets, population "
             f"{cfg.optimizer.population_size}, {cfg.data.batch_size} prompts/generation, "
@@ -235,20 +237,6 @@ def _tell(
         return opt.tell(population, fitness, flat=True)
     assert isinstance(opt, CMAES)
     return opt.tell(population, fitness, flat=True)
-
-
-def _informative(cfg: Config, tokenizer: Any, state: dict[str, Any] | None) -> Informative | None:
-    """The per-prompt history of data.selection / data.hints (None when both are off)."""
-    from essa.data.selection import Informative
-    from essa.data.task import render_prompts
-
-    d = cfg.data
-
-    def render(examples: list[Example]) -> list[str]:
-        return render_prompts(examples, d.template, tokenizer, d.system_prompt)
-
-    rows = cfg.optimizer.population_size * cfg.generation.samples_per_prompt
-    return Informative.build(d, cfg.run.seed, rows, render, state)
 
 
 def _initial_state(

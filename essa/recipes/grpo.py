@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from essa.config import Config, to_dict
+from essa.data.selection import informative_prompts
 from essa.dist import Comm
 from essa.errors import UserError
 from essa.gradient import checkpoint, losses, replay
@@ -62,12 +63,7 @@ from essa.gradient.heldout import baseline_state, heldout_accuracy
 from essa.gradient.optim import make_optimizer
 from essa.gradient.policy import Policy, Rollout, Sampling, token_logprobs
 from essa.gradient.prm_credit import with_step_credit
-from essa.gradient.sampling import (
-    informative_prompts,
-    sample_groups,
-    temperature_at,
-    training_batch,
-)
+from essa.gradient.sampling import sample_groups, temperature_at, training_batch
 from essa.gradient.schedule import clip_gradients, lr_factor
 from essa.harness import Harness, Phase
 from essa.rewards.base import DRAW_KEYS, Reward
@@ -88,17 +84,12 @@ def run(
 ) -> dict[str, Any]:
     """Train with the configured GRPO variant; return the summary (also in summary.json)."""
     from essa import setup
-    from essa.backends.memory import model_bytes
-    from essa.data.task import load_task
     from essa.gradient.prime import ImplicitPRM
     from essa.rewards.loading import load_reward
 
-    h = setup.one_process_harness(cfg, run_dir, resume=resume, console=console, comm=comm)
+    h, task = setup.open_run(cfg, run_dir, resume=resume, console=console, comm=comm, gradient=True)
     g = cfg.grpo
     variant = losses.get_variant(g.loss)
-    setup.seed_everything(cfg.run.seed)
-    task = load_task(cfg.data, cfg.run.seed)
-    h.check_heldout(task.test)  # before the model loads
     # Group rewards work as is: each prompt's G completions come in one call.
     reward = load_reward(
         cfg.reward, recipe="GRPO", groups=True, provides=frozenset({DRAW_KEYS}), deadline=False
@@ -109,9 +100,7 @@ def run(
             "reward (its score depends on the other completions); use a verifiable reward"
         )
     with h:  # the trackers close whatever happens
-        model, tokenizer = setup.load_base_model(cfg, h)
-        cfg, _ = setup.resolve_lengths(cfg, tokenizer, task, h.say)
-        base_bytes = model_bytes(model)  # the base weights as stored, as ESSA reports them
+        cfg, model, tokenizer, base_bytes = setup.open_model(cfg, h, task)
         peft_model, sft_dir = setup.load_or_train_adapter(
             cfg, model, tokenizer, task, run_dir, h.reporter
         )

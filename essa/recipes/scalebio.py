@@ -65,18 +65,11 @@ def run(
 ) -> dict[str, Any]:
     """Train with ScaleBiO; return the summary (also in summary.json)."""
     from essa import setup
-    from essa.backends.memory import model_bytes
-    from essa.data.task import load_task
 
-    h = setup.one_process_harness(cfg, run_dir, resume=resume, console=console, comm=comm)
-    setup.seed_everything(cfg.run.seed)
-    task = load_task(cfg.data, cfg.run.seed)
-    h.check_heldout(task.test)
+    h, task = setup.open_run(cfg, run_dir, resume=resume, console=console, comm=comm, gradient=True)
     sources = load_sources(cfg.data, task)  # before the model loads
     with h:
-        model, tokenizer = setup.load_base_model(cfg, h)
-        cfg, _ = setup.resolve_lengths(cfg, tokenizer, task, h.say)
-        base_bytes = model_bytes(model)
+        cfg, model, tokenizer, base_bytes = setup.open_model(cfg, h, task)
         models = Models.build(cfg.scalebio, cfg.run.seed, model)
         data = Mixture.build(cfg.data, task, sources, tokenizer)
         ev = (cfg.generation, cfg.evaluation.micro_batch_size)
