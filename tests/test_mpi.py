@@ -431,7 +431,7 @@ DEMO = [
     "run.generations=6",
 ]
 # Each rank's exit status, written by the shell that runs it: mpiexec ORs them into its own.
-RANK_STATUS = 'python -m essa.cli "$@"; rc=$?; echo $rc > "$RC_DIR/rank$PMI_RANK"; exit $rc'
+RANK_STATUS = '"$PYTHON" -m essa.cli "$@"; rc=$?; echo $rc > "$RC_DIR/rank$PMI_RANK"; exit $rc'
 
 
 def rank_pid(launcher: int, rank: int) -> int | None:
@@ -485,7 +485,7 @@ def test_sigint_to_one_rank_stops_every_rank_and_resumes_exactly(tmp_path: Path)
         [*cmd, "train", "--run-dir", str(run_dir), *overrides],
         stdout=out,
         stderr=subprocess.STDOUT,
-        env={**rank_env(), "RC_DIR": str(status)},
+        env={**rank_env(), "RC_DIR": str(status), "PYTHON": sys.executable},
         start_new_session=True,  # the whole job can be ended if it hangs
     )
     try:

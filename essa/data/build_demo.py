@@ -46,7 +46,7 @@ NUM_THREADS = 2
 NUM_VALIDATION = 500
 # A config's values for this model (model.name_or_path: builtin:demo) where they differ from the
 # schema's defaults, which suit a real chat model. The config loader takes them for keys the
-# config leaves unset and logs which (essa.config.model_defaults); configs/demo.yaml spells
+# config leaves unset and logs which (essa.config.loader.model_defaults); configs/demo.yaml spells
 # them out, and docs/configuration.md says why each default differs.
 CONFIG_DEFAULTS: Mapping[str, object] = MappingProxyType(
     {
