@@ -37,6 +37,7 @@ from essa.types import AdapterVector, Example
 
 if TYPE_CHECKING:
     from essa.adapters.svd import SVDAdapter
+    from essa.harness import Harness
 
 Pair = tuple[list[int], list[int]]  # (prompt ids, continuation ids)
 
@@ -507,3 +508,37 @@ def summary_line(report: Mapping[str, Any]) -> str | None:
         k = samples["k"]
         parts.append(f"pass@{k} {samples[f'pass@{k}']:.3f} maj@{k} {samples[f'maj@{k}']:.3f}")
     return "drift: " + "; ".join(parts) if parts else None
+
+
+def adapter_report(
+    cfg: Config,
+    h: Harness,
+    model: Any,
+    tokenizer: Any,
+    adapter: SVDAdapter,
+    test: list[Example],
+    vector: AdapterVector,
+) -> dict[str, Any]:
+    """ESSA's drift report of ``vector`` (rank 0, after the search): ``model`` is the bare base
+    model (None under vLLM: update sizes need W0 too, so nothing is measured)."""
+    if model is None:
+        return {}
+    zeros = np.zeros(adapter.dim)
+    updates = None
+    w0 = base_weights(model, adapter.module_names)
+    if w0 is not None:
+        sft, final = adapter.delta_weights(zeros), adapter.delta_weights(vector)
+        search = {name: final[name] - sft[name] for name in final}
+        updates = {
+            "sft": update_size(sft, w0),
+            "final": update_size(final, w0),
+            "search": update_size(search, w0),  # the final adapter's change from SFT
+        }
+    mb = cfg.evaluation.micro_batch_size
+    models = PopulationModels(model, tokenizer, adapter, np.asarray(vector), mb)
+    with h.phase("drift"):
+        report = measure(cfg, models, tokenizer, test, h.metric, updates)
+    line = summary_line(report)
+    if line is not None:
+        h.say(line)
+    return report

@@ -19,6 +19,7 @@ import pytest
 
 from essa.config import Config, load_config
 from essa.dist import get_comm
+from essa.es import checkpoint as es_checkpoint
 from essa.harness import Harness, Reporter
 from essa.protocols import Evaluator, Optimizer
 from essa.recipes import essa_es
@@ -51,7 +52,7 @@ def _fake_run(
     def build(scale: object) -> Optimizer:  # the recipe's builder: no scale-baseline start here
         return make_optimizer("cma_es", 4, population_size=4, sigma0=0.5, seed=cfg.run.seed)
 
-    restored, loaded = essa_es._load_checkpoint(run_dir, build) if resume else (None, None)
+    restored, loaded = es_checkpoint.load(run_dir, build) if resume else (None, None)
     opt = restored if restored is not None else build(None)
     state = h.restore(loaded, done=opt.generation)
     if state is None:
@@ -64,7 +65,7 @@ def _fake_run(
         if step.index == interrupt_at:
             signal.raise_signal(signal.SIGINT)  # as if Ctrl-C came during this generation
         state["elapsed"] = h.elapsed
-        step.finish(record, lambda: essa_es._save_checkpoint(run_dir, opt, state))
+        step.finish(record, lambda: es_checkpoint.save(run_dir, opt, state))
     return opt, h
 
 

@@ -366,29 +366,29 @@ def _optimizer(population_size: int = 4):  # type: ignore[no-untyped-def]
     ],
 )
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path: Path, damage) -> None:  # type: ignore[no-untyped-def]
-    from essa.recipes.essa_es import _load_checkpoint, _save_checkpoint
+    from essa.es.checkpoint import load, save
 
     opt = _optimizer()
     x = opt.ask()
     opt.tell(x, np.arange(4.0))
-    _save_checkpoint(tmp_path, opt, {"elapsed": 1.0})
+    save(tmp_path, opt, {"elapsed": 1.0})
     path = tmp_path / "checkpoint.json"
     path.write_text(damage(path.read_text()))
     with pytest.raises(UserError, match="cannot resume from this checkpoint") as info:
-        _load_checkpoint(tmp_path, lambda scale: _optimizer())
+        load(tmp_path, lambda scale: _optimizer())
     assert "\n" not in str(info.value)
     assert "not callable" not in str(info.value)  # refused for the damage, not a wrong call
 
 
 def test_checkpoint_of_another_population_size_is_refused(tmp_path: Path) -> None:
-    from essa.recipes.essa_es import _load_checkpoint, _save_checkpoint
+    from essa.es.checkpoint import load, save
 
     opt = _optimizer()
     opt.tell(opt.ask(), np.arange(4.0))
-    _save_checkpoint(tmp_path, opt, {"elapsed": 1.0})
+    save(tmp_path, opt, {"elapsed": 1.0})
     with pytest.raises(UserError, match="different constructor arguments: population_size"):
-        _load_checkpoint(tmp_path, lambda scale: _optimizer(population_size=6))
-    restored, data = _load_checkpoint(tmp_path, lambda scale: _optimizer())  # the right size
+        load(tmp_path, lambda scale: _optimizer(population_size=6))
+    restored, data = load(tmp_path, lambda scale: _optimizer())  # the right size
     assert restored is not None and restored.generation == 1 and data == {"elapsed": 1.0}
 
 

@@ -128,8 +128,8 @@ def test_reward_is_flat_follows_hansens_rule_by_hand() -> None:
 
 def test_tell_widens_sigma_only_when_switched_on_and_the_reward_is_flat() -> None:
     from essa.config import load_config
+    from essa.es.optimizer import tell
     from essa.optimizers.cma_es import CMAES
-    from essa.recipes.essa_es import _tell
 
     on = load_config(None, ["optimizer.escape_flat_reward=true"])
     off = load_config(None, [])
@@ -141,7 +141,7 @@ def test_tell_widens_sigma_only_when_switched_on_and_the_reward_is_flat() -> Non
         ("off-flat", off, {"reward_flat": 1.0}),
     ):
         opt = CMAES(6, population_size=8, sigma0=0.3, seed=0)
-        metrics = _tell(cfg, opt, opt.ask(), fitness, pool)
+        metrics = tell(cfg.optimizer, opt, opt.ask(), fitness, pool)
         sigmas[name] = (opt.sigma, metrics["sigma_widened"], opt.flat_factor())
     assert sigmas["on-ranked"][1] == sigmas["off-flat"][1] == 0.0
     assert sigmas["on-ranked"][0] == sigmas["off-flat"][0]

@@ -141,13 +141,14 @@ def test_zero_singular_values_stay_put_and_the_rest_is_searched(partly_zero, nam
 
 
 def test_flat_reward_widens_sigma_around_fixed_values(partly_zero) -> None:  # type: ignore[no-untyped-def]
-    from essa.es.optimizer import make_es_optimizer
-    from essa.recipes.essa_es import _tell
+    from essa.es.optimizer import make_es_optimizer, tell
 
     _, adapter = partly_zero
     cfg = load_config(None, ["optimizer.population_size=4", "optimizer.escape_flat_reward=true"])
     opt = make_es_optimizer(cfg.optimizer, cfg.run.seed, adapter)
-    metrics = _tell(cfg, opt, opt.ask(), np.array([1.0, 0.0, 0.0, 0.0]), {"reward_flat": 1.0})
+    metrics = tell(
+        cfg.optimizer, opt, opt.ask(), np.array([1.0, 0.0, 0.0, 0.0]), {"reward_flat": 1.0}
+    )
     assert metrics["sigma_widened"] == 1.0
 
 

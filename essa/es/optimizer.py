@@ -10,7 +10,7 @@ import numpy as np
 
 from essa.config import OptimizerConfig
 from essa.errors import UserError
-from essa.types import AdapterVector
+from essa.types import AdapterVector, Fitness, Population
 
 if TYPE_CHECKING:
     from essa.adapters.svd import SVDAdapter
@@ -116,3 +116,46 @@ def check_searchable(
         "so ESSA has no singular value to search; use a trained adapter (adapter.path) or "
         "train one first (sft.steps > 0, adapter.lora_alpha > 0)"
     )
+
+
+def search_optimizer(
+    cfg: OptimizerConfig, seed: int, adapter: SVDAdapter, scale: dict[str, Any] | None
+) -> Optimizer:
+    """The run's optimizer; with ``optimizer.start: scale_baseline`` its mean starts at the scale
+    baseline's factor (``scale``, None when it did not run or failed: the SFT adapter)."""
+    from essa.es.start import scale_vector
+
+    if cfg.start == "scale_baseline" and scale is not None:
+        x0 = scale_vector(adapter, scale["factor"])
+        return make_es_optimizer(cfg, seed, adapter, x0=x0)
+    return make_es_optimizer(cfg, seed, adapter)
+
+
+def start_note(cfg: OptimizerConfig, scale: dict[str, Any] | None) -> str:
+    """The run's opening line's note on where the search starts."""
+    if cfg.start != "scale_baseline":
+        return ""
+    if scale is None:
+        return "; the scale baseline failed, so the search starts at the SFT adapter"
+    return f"; the search starts at the SFT adapter x{scale['factor']:g} (the scale baseline)"
+
+
+def tell(
+    cfg: OptimizerConfig,
+    opt: Optimizer,
+    population: Population,
+    fitness: Fitness,
+    pool: dict[str, Any],
+) -> dict[str, float]:
+    """opt.tell; under optimizer.escape_flat_reward, a generation whose task reward (before the
+    tie-breaker) ranked nothing widens CMA-ES's sigma (config admits it on plain cma_es only)."""
+    if not (cfg.escape_flat_reward and pool.get("reward_flat")):
+        return opt.tell(population, fitness)
+    from essa.optimizers.cma_es import CMAES
+    from essa.optimizers.subspace import Subspace
+
+    if isinstance(opt, Subspace):  # zero singular values held fixed around the CMA-ES
+        assert isinstance(opt.inner, CMAES)
+        return opt.tell(population, fitness, flat=True)
+    assert isinstance(opt, CMAES)
+    return opt.tell(population, fitness, flat=True)

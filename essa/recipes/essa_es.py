@@ -42,7 +42,8 @@ from essa.es.generation import (
     shard_fitness,
     track_best,
 )
-from essa.harness import Harness, Phase, read_json_checkpoint, write_json_checkpoint
+from essa.es.optimizer import tell
+from essa.harness import Harness, Phase
 from essa.protocols import Evaluator, Optimizer
 from essa.rewards.base import Reward
 from essa.rewards.logprob import COMPLETION_LOGPROBS
@@ -75,7 +76,9 @@ def run(
     from essa.backends.memory import memory_metrics, model_bytes
     from essa.data.selection import informative_prompts
     from essa.data.task import render_splits
-    from essa.es.optimizer import check_searchable
+    from essa.drift import adapter_report
+    from essa.es import checkpoint
+    from essa.es.optimizer import check_searchable, search_optimizer, start_note
     from essa.rewards.loading import check_vote_size, es_reward_inputs, load_reward
 
     h, task = setup.open_run(
@@ -105,10 +108,11 @@ def run(
         evaluator = population_evaluator(settings, base, tokenizer, adapter, h.comm.world_size)
         evaluator.record_logprobs = COMPLETION_LOGPROBS in reward.needs  # type: ignore[attr-defined]
         heldout = functools.partial(_heldout, h, evaluator, task.test, test_prompts)
-        drift = functools.partial(_drift, cfg, h, base, tokenizer, adapter, task.test)
+        drift = functools.partial(adapter_report, cfg, h, base, tokenizer, adapter, task.test)
         # A resumed run's optimizer has the population its plan gave it (plan.json).
-        build = functools.partial(_optimizer, setup.apply_plan(cfg, budget.adopt(h, None)), adapter)
-        opt, loaded = _load_checkpoint(run_dir, build) if resume else (None, None)
+        planned = setup.apply_plan(cfg, budget.adopt(h, None))
+        build = functools.partial(search_optimizer, planned.optimizer, cfg.run.seed, adapter)
+        opt, loaded = checkpoint.load(run_dir, build) if resume else (None, None)
         state = h.restore(loaded, done=opt.generation if opt is not None else 0)
         if state is None:
             state = _initial_state(
@@ -117,7 +121,10 @@ def run(
             h.log(_baseline_record(state, adapter.dim, memory_metrics(base_bytes)))
         # The planned candidates and prompts per generation.
         cfg = setup.apply_plan(cfg, budget.adopt(h, state))
-        opt = opt if opt is not None else _optimizer(cfg, adapter, state.get("scale_baseline"))
+        if opt is None:
+            opt = search_optimizer(
+                cfg.optimizer, cfg.run.seed, adapter, state.get("scale_baseline")
+            )
         rows = cfg.optimizer.population_size * cfg.generation.samples_per_prompt
         informative = informative_prompts(
             cfg.data, cfg.run.seed, rows, tokenizer, state.get("informative")
@@ -126,7 +133,7 @@ def run(
             f"ESSA: D={adapter.dim} singular-value offsets, population "
             f"{cfg.optimizer.population_size}, {cfg.data.batch_size} prompts/generation, "
             f"held-out {h.metric_name} baseline {state['baseline_accuracy']:.3f}"
-            + _start_note(cfg, state.get("scale_baseline"))
+            + start_note(cfg.optimizer, state.get("scale_baseline"))
         )
         for step in h.steps(opt.generation, show=_shown):
             g = step.index
@@ -149,7 +156,7 @@ def run(
                 record["heldout_accuracy"] = heldout(opt.mean, generation=g, items=budget.items)
             state["search_seconds"] = state.get("search_seconds", 0.0) + record["seconds"]
             state["elapsed"] = h.elapsed
-            step.finish(record, lambda: _save_checkpoint(run_dir, opt, state))
+            step.finish(record, lambda: checkpoint.save(run_dir, opt, state))
         state.update(test_size=len(task.test), model_bytes=base_bytes, elapsed=h.elapsed)
         state["max_new_tokens"] = cfg.generation.new_tokens
         return _finish(cfg, h, adapter, opt, state, heldout, sft_dir, drift)
@@ -209,7 +216,7 @@ def _generation(
     )
     faults = fault_delta(faults_before, fault_counts(reward, evaluator))
     check_generation(g, fitness, faults, reward.name)
-    opt_metrics = _tell(cfg, opt, population, fitness, pool)
+    opt_metrics = tell(cfg.optimizer, opt, population, fitness, pool)
     check_replicas(comm, opt, g)  # every rank must now hold the same state
     tokens = evaluator.stats.new_tokens - tokens_before
     seconds = time.perf_counter() - start
@@ -220,23 +227,6 @@ def _generation(
     if informative is not None:  # prompts_skipped, rows_saved, prompts_hinted, ...
         record.update(informative.end_step())
     return record, population, fitness
-
-
-def _tell(
-    cfg: Config, opt: Optimizer, population: Population, fitness: Fitness, pool: dict[str, Any]
-) -> dict[str, float]:
-    """opt.tell; under optimizer.escape_flat_reward, a generation whose task reward (before the
-    tie-breaker) ranked nothing widens CMA-ES's sigma (config admits it on plain cma_es only)."""
-    if not (cfg.optimizer.escape_flat_reward and pool.get("reward_flat")):
-        return opt.tell(population, fitness)
-    from essa.optimizers.cma_es import CMAES
-    from essa.optimizers.subspace import Subspace
-
-    if isinstance(opt, Subspace):  # zero singular values held fixed around the CMA-ES
-        assert isinstance(opt.inner, CMAES)
-        return opt.tell(population, fitness, flat=True)
-    assert isinstance(opt, CMAES)
-    return opt.tell(population, fitness, flat=True)
 
 
 def _initial_state(
@@ -310,47 +300,6 @@ def _baseline_record(
     }
 
 
-def _save_checkpoint(run_dir: Path, opt: Optimizer, state: dict[str, Any]) -> None:
-    """checkpoint.json: the optimizer's plain-data state and the recipe's (best, elapsed, ...)."""
-    write_json_checkpoint(run_dir, {"optimizer": opt.state_dict(), **state}, opt.generation)
-
-
-def _optimizer(cfg: Config, adapter: SVDAdapter, scale: dict[str, Any] | None) -> Optimizer:
-    """The run's optimizer; with ``optimizer.start: scale_baseline`` its mean starts at the scale
-    baseline's factor (``scale``, None when it did not run or failed: the SFT adapter)."""
-    from essa.es.optimizer import make_es_optimizer
-    from essa.es.start import scale_vector
-
-    if cfg.optimizer.start == "scale_baseline" and scale is not None:
-        x0 = scale_vector(adapter, scale["factor"])
-        return make_es_optimizer(cfg.optimizer, cfg.run.seed, adapter, x0=x0)
-    return make_es_optimizer(cfg.optimizer, cfg.run.seed, adapter)
-
-
-def _start_note(cfg: Config, scale: dict[str, Any] | None) -> str:
-    if cfg.optimizer.start != "scale_baseline":
-        return ""
-    if scale is None:
-        return "; the scale baseline failed, so the search starts at the SFT adapter"
-    return f"; the search starts at the SFT adapter x{scale['factor']:g} (the scale baseline)"
-
-
-def _load_checkpoint(
-    run_dir: Path, build: Callable[[dict[str, Any] | None], Optimizer]
-) -> tuple[Optimizer | None, dict[str, Any] | None]:
-    """The optimizer restored from checkpoint.json (built from the saved scale baseline, so its
-    start matches) and the recipe's state; (None, None) when there is no checkpoint."""
-    restored: list[Optimizer] = []
-
-    def restore(data: dict[str, Any]) -> None:
-        opt = build(data.get("scale_baseline"))
-        opt.load_state_dict(data.pop("optimizer"))
-        restored.append(opt)
-
-    data = read_json_checkpoint(run_dir, restore)
-    return (restored[0] if restored else None), data
-
-
 def _finish(
     cfg: Config,
     h: Harness,
@@ -402,39 +351,3 @@ def _finish(
             f"prompts): held-out {scale['heldout_accuracy']:.3f}"
         )
     return h.finish(summary)
-
-
-def _drift(
-    cfg: Config,
-    h: Harness,
-    model: Any,
-    tokenizer: Any,
-    adapter: SVDAdapter,
-    test: list[Example],
-    vector: AdapterVector,
-) -> dict[str, Any]:
-    """The drift report of ``vector`` (rank 0, after the search): ``model`` is the bare base
-    model (None under vLLM: update sizes need W0 too, so nothing is measured)."""
-    from essa import drift
-
-    if model is None:
-        return {}
-    zeros = np.zeros(adapter.dim)
-    updates = None
-    w0 = drift.base_weights(model, adapter.module_names)
-    if w0 is not None:
-        sft, final = adapter.delta_weights(zeros), adapter.delta_weights(vector)
-        search = {name: final[name] - sft[name] for name in final}
-        updates = {
-            "sft": drift.update_size(sft, w0),
-            "final": drift.update_size(final, w0),
-            "search": drift.update_size(search, w0),  # the final adapter's change from SFT
-        }
-    mb = cfg.evaluation.micro_batch_size
-    models = drift.PopulationModels(model, tokenizer, adapter, np.asarray(vector), mb)
-    with h.phase("drift"):
-        report = drift.measure(cfg, models, tokenizer, test, h.metric, updates)
-    line = drift.summary_line(report)
-    if line is not None:
-        h.say(line)
-    return report
