@@ -317,16 +317,12 @@ def main(argv: list[str] | None = None) -> int:
         "2 for most; use 1 on a machine where other work keeps the cores busy)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    table = {n: (a, s) for n, a, s in known()}
+    table = {n: (a, "suite" if s else "on demand") for n, a, s in known()}
+    table |= {n: (a, "study") for n, a in STUDIES}  # run by name only
     if args.list:
-        for n, (a, s) in table.items():
-            print(f"{n:22s} {'suite' if s else 'on demand':9s} python -m bench.{n} {' '.join(a)}")
-        for n, a in STUDIES:
-            print(f"{n:22s} {'study':9s} python -m bench.{n} {' '.join(a)}")
+        for n, (a, kind) in table.items():
+            print(f"{n:22s} {kind:9s} python -m bench.{n} {' '.join(a)}")
         return 0
-    if len(args.names) == 1 and args.names[0] in dict(STUDIES):
-        name = args.names[0]
-        return 0 if run_one(name, dict(STUDIES)[name])["exit_code"] == 0 else 1
     unknown = [n for n in args.names if n not in table]
     if unknown:
         print(f"error: unknown benchmark(s) {', '.join(unknown)}; see --list", file=sys.stderr)
@@ -334,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         write_report(set())
         return 0
-    names = args.names or [n for n, (_, s) in table.items() if s or args.all]
+    chosen = ("suite", "on demand") if args.all else ("suite",)
+    names = args.names or [n for n, (_, kind) in table.items() if kind in chosen]
     start = time.perf_counter()
     runs = [run_one(n, table[n][0] + thread_args(n, args.threads)) for n in names]
     wall = time.perf_counter() - start

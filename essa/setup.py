@@ -211,22 +211,6 @@ def _adapter_targets(path: Path) -> list[str]:
     return [targets] if isinstance(targets, str) else list(targets)
 
 
-def one_process_harness(
-    cfg: Config, run_dir: Path, *, resume: bool, console: Any, comm: Comm | None
-) -> Harness:
-    """The gradient recipes' harness (unit: steps); they refuse to run on more than one rank."""
-    from essa.dist import get_comm
-    from essa.harness import Harness
-
-    comm = get_comm() if comm is None else comm
-    if comm.world_size > 1:
-        raise UserError(
-            f"algorithm: {cfg.algorithm} runs in one process for now (got {comm.world_size} "
-            "ranks); launch it without mpiexec/srun"
-        )
-    return Harness(cfg, run_dir, resume=resume, console=console, comm=comm, unit="steps")
-
-
 def open_run(
     cfg: Config,
     run_dir: Path,
@@ -238,26 +222,31 @@ def open_run(
 ) -> tuple[Harness, Task]:
     """Every recipe's first step: the harness, the seeded global RNGs and the task's splits,
     with the held-out split checked before anything loads. ``gradient``: a gradient recipe,
-    one process and steps as its unit (:func:`one_process_harness`)."""
+    which runs in one process and counts steps."""
     from essa.dist import get_comm
     from essa.harness import Harness
 
-    if gradient:
-        h = one_process_harness(cfg, run_dir, resume=resume, console=console, comm=comm)
-    else:
-        h = Harness(cfg, run_dir, resume=resume, console=console, comm=comm or get_comm())
+    comm = get_comm() if comm is None else comm
+    if gradient and comm.world_size > 1:
+        raise UserError(
+            f"algorithm: {cfg.algorithm} runs in one process for now (got {comm.world_size} "
+            "ranks); launch it without mpiexec/srun"
+        )
+    unit = "steps" if gradient else "generations"
+    h = Harness(cfg, run_dir, resume=resume, console=console, comm=comm, unit=unit)
     seed_everything(cfg.run.seed)
     task = load_task(cfg.data, cfg.run.seed)
     h.check_heldout(task.test)  # before the model loads
     return h, task
 
 
-def open_model(cfg: Config, h: Harness, task: Task) -> tuple[Config, Any, Any, int]:
-    """(cfg with its lengths resolved, model, tokenizer, the base weights' bytes as stored),
-    inside the harness: the "model load" phase, then ``generation.max_new_tokens: auto``."""
+def open_model(cfg: Config, h: Harness, task: Task) -> tuple[Config, Any, Any, int, TaskLengths]:
+    """(cfg with its lengths resolved, model, tokenizer, the base weights' bytes as stored, the
+    task's lengths), inside the harness: the "model load" phase, then
+    ``generation.max_new_tokens: auto``."""
     from essa.backends.memory import model_bytes
 
     model, tokenizer = load_base_model(cfg, h)
     base_bytes = model_bytes(model)  # quantised weights counted packed, as stored
-    cfg, _ = resolve_lengths(cfg, tokenizer, task, h.say)
-    return cfg, model, tokenizer, base_bytes
+    cfg, lengths = resolve_lengths(cfg, tokenizer, task, h.say)
+    return cfg, model, tokenizer, base_bytes, lengths

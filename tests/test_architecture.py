@@ -55,27 +55,15 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, *, runtime_only: bool = False) -> set[str]:
-    """Modules imported by ``path``; runtime_only skips TYPE_CHECKING blocks."""
-    tree = ast.parse(path.read_text())
+def imports(path: Path) -> set[str]:
+    """Modules (and ``module.name``s) imported by ``path``, at any depth, TYPE_CHECKING too."""
     found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if (
-                runtime_only
-                and isinstance(child, ast.If)
-                and "TYPE_CHECKING" in ast.unparse(child.test)
-            ):
-                continue
-            if isinstance(child, ast.Import):
-                found.update(alias.name for alias in child.names)
-            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
-                found.add(child.module)
-                found.update(f"{child.module}.{alias.name}" for alias in child.names)
-            visit(child)
-
-    visit(tree)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
 
 

@@ -73,7 +73,7 @@ def run(
             cfg.reward, recipe="DPO", groups=True, provides=provides, deadline=False
         )
     with h:
-        cfg, model, tokenizer, base_bytes = setup.open_model(cfg, h, task)
+        cfg, model, tokenizer, base_bytes, _ = setup.open_model(cfg, h, task)
         peft_model, sft_dir = setup.load_or_train_adapter(
             cfg, model, tokenizer, task, run_dir, h.reporter
         )

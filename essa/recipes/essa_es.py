@@ -73,7 +73,7 @@ def run(
     from essa import setup
     from essa.adapters.svd import svd_adapter
     from essa.backends import population_evaluator
-    from essa.backends.memory import memory_metrics, model_bytes
+    from essa.backends.memory import memory_metrics
     from essa.data.selection import informative_prompts
     from essa.data.task import render_splits
     from essa.drift import adapter_report
@@ -89,9 +89,7 @@ def run(
     reward = load_reward(cfg.reward, recipe="ESSA", **inputs)
     check_vote_size(cfg.generation, cfg.optimizer.population_size, reward)
     with h:  # the trackers close whatever happens
-        model, tokenizer = setup.load_base_model(cfg, h)
-        base_bytes = model_bytes(model)  # the base weights as stored (quantised ones packed)
-        cfg, lengths = setup.resolve_lengths(cfg, tokenizer, task, h.say)
+        cfg, model, tokenizer, base_bytes, lengths = setup.open_model(cfg, h, task)
         train_prompts, test_prompts = render_splits(task, cfg.data, tokenizer)
         budget = Budget.start(
             setup.plan_inputs(cfg), h, resume, lengths, model, tokenizer, task, train_prompts

@@ -100,7 +100,7 @@ def run(
             "reward (its score depends on the other completions); use a verifiable reward"
         )
     with h:  # the trackers close whatever happens
-        cfg, model, tokenizer, base_bytes = setup.open_model(cfg, h, task)
+        cfg, model, tokenizer, base_bytes, _ = setup.open_model(cfg, h, task)
         peft_model, sft_dir = setup.load_or_train_adapter(
             cfg, model, tokenizer, task, run_dir, h.reporter
         )

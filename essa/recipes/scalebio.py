@@ -69,7 +69,7 @@ def run(
     h, task = setup.open_run(cfg, run_dir, resume=resume, console=console, comm=comm, gradient=True)
     sources = load_sources(cfg.data, task)  # before the model loads
     with h:
-        cfg, model, tokenizer, base_bytes = setup.open_model(cfg, h, task)
+        cfg, model, tokenizer, base_bytes, _ = setup.open_model(cfg, h, task)
         models = Models.build(cfg.scalebio, cfg.run.seed, model)
         data = Mixture.build(cfg.data, task, sources, tokenizer)
         ev = (cfg.generation, cfg.evaluation.micro_batch_size)
