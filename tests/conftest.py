@@ -10,13 +10,8 @@ such a test is a failure, so a green run cannot mean the component was never exe
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import tempfile
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -115,104 +110,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "component(name): needs an optional component (see tests/conftest.py)"
     )
-    config.addinivalue_line(
-        "markers",
-        "early(*argv, env={}): argv runs beside the suite from collection on; the test runs "
-        "last and reads it through early_run ({tmp} in argv: a fresh directory)",
-    )
     config.stash[_LEDGER] = ComponentLedger(required_components())
+    if not _xdist_worker(config):  # the process that prints the reports counts them
+        config.pluginmanager.register(LedgerCounter(config.stash[_LEDGER]), "component-ledger")
 
 
-# -------------------------------------------------------------- commands run beside the suite
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class EarlyRun:
-    """The finished command of an ``early`` test."""
-
-    returncode: int
-    output: str  # stdout and stderr, interleaved
-    tmp: Path  # the directory that ``{tmp}`` in the command stood for
-
-
-class EarlyLane:
-    """The commands of ``early`` tests, run one after another on a background thread.
-
-    The suite runs one thread (pytest_configure above), so on CI's 2 cores a single-threaded
-    command (mypy, an `essa train` with OMP_NUM_THREADS=1) runs on the otherwise idle core
-    while the other tests run; one at a time, so the lane never takes more than that core.
-    """
-
-    def __init__(self) -> None:
-        self.tmp = Path(tempfile.mkdtemp(prefix="essa-early-"))
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="early")
-        self._current: subprocess.Popen[bytes] | None = None
-        self._stopped = False
-
-    def submit(self, mark: pytest.Mark) -> Future[EarlyRun]:
-        return self._executor.submit(self.run, mark)
-
-    def run(self, mark: pytest.Mark) -> EarlyRun:
-        if self._stopped:
-            raise RuntimeError("the early lane was stopped")
-        tmp = Path(tempfile.mkdtemp(dir=self.tmp))
-        argv = [str(arg).replace("{tmp}", str(tmp)) for arg in mark.args]
-        env = os.environ | mark.kwargs.get("env", {})
-        with tempfile.TemporaryFile() as out:
-            self._current = subprocess.Popen(
-                argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env
-            )
-            code = self._current.wait()
-            out.seek(0)
-            return EarlyRun(code, out.read().decode(errors="replace"), tmp)
-
-    def stop(self) -> None:
-        """Cancel what has not started, kill what runs (its test never came: -x, Ctrl-C)."""
-        self._stopped = True
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        proc = self._current
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-_LANE = pytest.StashKey[EarlyLane]()
-_EARLY = pytest.StashKey[Future[EarlyRun]]()
-
-
-@pytest.hookimpl(trylast=True)  # after -k/-m deselection: start only what will run
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Queue each selected ``early`` test's command on the lane now; run those tests last.
-
-    Each such test then waits for its command's result and checks it as before: only when
-    the command runs changes, not what is checked.
-    """
-    early = [item for item in items if item.get_closest_marker("early")]
-    if not early or config.option.collectonly:
-        return
-    lane = config.stash[_LANE] = EarlyLane()
-    for item in early:
-        item.stash[_EARLY] = lane.submit(item.get_closest_marker("early"))  # type: ignore[arg-type]
-    items[:] = [item for item in items if item not in early] + early
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    lane = session.config.stash.get(_LANE, None)
-    if lane is not None:
-        lane.stop()
-
-
-@pytest.fixture
-def early_run(request: pytest.FixtureRequest) -> EarlyRun:
-    """This test's ``early`` command, finished (queued at collection, see EarlyLane)."""
-    item = request.node
-    if _EARLY in item.stash:
-        return item.stash[_EARLY].result()
-    lane = item.config.stash.get(_LANE, None) or EarlyLane()  # not queued: run it here
-    return lane.run(item.get_closest_marker("early"))
+def _xdist_worker(config: pytest.Config) -> bool:
+    """True in a pytest-xdist worker (``-n 2``): xdist's controller prints the reports."""
+    return hasattr(config, "workerinput")
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
@@ -221,31 +126,48 @@ def _skip_reason(report: pytest.TestReport) -> str:
     return text.removeprefix("Skipped: ")
 
 
+_COMPONENTS = "components"  # user_properties key: travels with the report from xdist workers
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Tag the report with the test's components; a skip of a required one becomes a failure."""
     report = yield
-    ledger = item.config.stash[_LEDGER]
-    components = {mark.args[0] for mark in item.iter_markers("component")}
-    if report.skipped and not hasattr(report, "wasxfail"):
-        reason = _skip_reason(report)
-        ledger.record(components, item.nodeid, reason)
-        required = sorted(components & ledger.required)
-        if required:  # the run promised this component: its skip is a failure
-            report.outcome = "failed"
-            report.longrepr = (
-                f"{REQUIRE_ENV} names {', '.join(required)}, but this test skipped: {reason}"
-            )
-    elif report.when == "call":
-        ledger.record(components, item.nodeid, None)
+    components = sorted({mark.args[0] for mark in item.iter_markers("component")})
+    report.user_properties.append((_COMPONENTS, components))
+    required = sorted(set(components) & item.config.stash[_LEDGER].required)
+    if report.skipped and not hasattr(report, "wasxfail") and required:
+        report.outcome = "failed"  # the run promised this component
+        report.longrepr = (
+            f"{REQUIRE_ENV} names {', '.join(required)}, but this test skipped: "
+            f"{_skip_reason(report)}"
+        )
     return report
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    lines = config.stash[_LEDGER].lines()
-    if lines:
-        terminalreporter.section("optional components")
-        for line in lines:
-            terminalreporter.write_line(line)
+class LedgerCounter:
+    """Counts every test report in the ledger and prints it (xdist's controller or the one process)."""
+
+    def __init__(self, ledger: ComponentLedger) -> None:
+        self.ledger = ledger
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        components = set(dict(report.user_properties).get(_COMPONENTS, []))
+        longrepr = str(report.longrepr)
+        required_skip = report.failed and longrepr.startswith(f"{REQUIRE_ENV} names")
+        if required_skip:
+            self.ledger.record(components, report.nodeid, longrepr.split("skipped: ", 1)[-1])
+        elif report.skipped and not hasattr(report, "wasxfail"):
+            self.ledger.record(components, report.nodeid, _skip_reason(report))
+        elif report.when == "call":
+            self.ledger.record(components, report.nodeid, None)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        lines = self.ledger.lines()
+        if lines:
+            terminalreporter.section("optional components")
+            for line in lines:
+                terminalreporter.write_line(line)
 
 
 def build_char_tokenizer() -> object:

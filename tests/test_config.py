@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from essa.config import Config, ConfigError, dump_config, load_config
 from essa.data.build_demo import CONFIG_DEFAULTS as DEMO_DEFAULTS
+from tests.cli_runner import essa
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted(ROOT.glob("configs/**/*.yaml"))
@@ -150,9 +150,7 @@ def test_config_is_frozen() -> None:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "essa.cli", *args], capture_output=True, text=True, timeout=120
-    )
+    return essa(*args, timeout=120)
 
 
 def test_cli_validate_shipped_and_bad(tmp_path: Path) -> None:

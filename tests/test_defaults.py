@@ -4,14 +4,13 @@ and a real model with a tiny SFT of its own gets one warning line."""
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from essa.config import Config, load_config, tiny_sft_warning
 from essa.data.build_demo import CONFIG_DEFAULTS as DEMO_DEFAULTS
+from tests.cli_runner import essa
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = "model.name_or_path=HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -93,12 +92,7 @@ def test_train_warns_once_on_stderr(tmp_path: Path, tiny_model_dir: Path) -> Non
         "run.show_progress=false",
     ]
     args = [a for s in sets for a in ("--set", s)]
-    res = subprocess.run(
-        [sys.executable, "-m", "essa.cli", "train", "--run-dir", str(tmp_path / "run"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    res = essa("train", "--run-dir", str(tmp_path / "run"), *args, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stderr.count("warning: sft.steps=2") == 1
 

@@ -11,9 +11,6 @@ import contextlib
 import dataclasses
 import io
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import typing
 from collections.abc import Callable
@@ -28,6 +25,7 @@ from hypothesis import strategies as st
 
 from essa.cli import guarded
 from essa.config import Config, ConfigError, DataConfig, load_config, to_dict
+from tests.cli_runner import essa
 
 FUZZ = settings(
     max_examples=150,
@@ -436,13 +434,7 @@ def test_cli_rejects_bad_file_in_one_line(tmp_path: Path, name: str) -> None:
         args = ["config", "show", str(path)]
     else:
         args = ["eval", "--set", f"data.source={path}", "--set", "data.test_size=1"]
-    res = subprocess.run(
-        [sys.executable, "-m", "essa.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    res = essa(*args, timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
     lines = res.stderr.strip().splitlines()

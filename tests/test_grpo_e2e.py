@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import GRPO_SETS, EarlyRun
+from tests.conftest import GRPO_SETS
 from tests.test_train_e2e import assert_drift_report, essa, sets
 
 SMALL = [
@@ -50,18 +49,16 @@ def load_adapter(adapter_dir: str) -> torch.nn.Module:
     return PeftModel.from_pretrained(base, adapter_dir)
 
 
-def train_in_lane(*args: str) -> pytest.MarkDecorator:
-    """`essa train ARGS --run-dir {tmp}/run` (OMP_NUM_THREADS=1, as essa() runs it) in the
-    early lane beside the suite (tests/conftest.py); the test reads it through early_run."""
-    argv = (sys.executable, "-m", "essa.cli", "train", *args, "--run-dir", "{tmp}/run")
-    return pytest.mark.early(*argv, env={"OMP_NUM_THREADS": "1"}, timeout=600)
+def train(run_dir: Path, *args: str) -> None:
+    """`essa train ARGS --run-dir RUN_DIR`, which must succeed."""
+    res = essa("train", *args, "--run-dir", str(run_dir))
+    assert res.returncode == 0, res.stderr[-3000:]
 
 
 @pytest.mark.slow
-@train_in_lane(*sets(*SMALL, "run.generations=3"))
-def test_grpo_train_writes_run_dir_and_loadable_adapter(early_run: EarlyRun) -> None:
-    run_dir = early_run.tmp / "run"
-    assert early_run.returncode == 0, early_run.output[-3000:]
+def test_grpo_train_writes_run_dir_and_loadable_adapter(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    train(run_dir, *sets(*SMALL, "run.generations=3"))
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in SUMMARY_KEYS:
         assert key in summary
@@ -86,12 +83,10 @@ def test_grpo_train_writes_run_dir_and_loadable_adapter(early_run: EarlyRun) -> 
 
 
 @pytest.mark.slow
-@train_in_lane(
-    *sets(*SMALL, "run.generations=2", "grpo.trainable=singular_values", "grpo.loss=dapo")
-)
-def test_svd_grpo_dapo_exports_a_changed_adapter(early_run: EarlyRun) -> None:
-    run_dir = early_run.tmp / "run"
-    assert early_run.returncode == 0, early_run.output[-3000:]
+def test_svd_grpo_dapo_exports_a_changed_adapter(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    svd_dapo = ["run.generations=2", "grpo.trainable=singular_values", "grpo.loss=dapo"]
+    train(run_dir, *sets(*SMALL, *svd_dapo))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["dim"] == 256  # the singular values ESSA searches on the demo
     load_adapter(summary["adapter_dir"])
@@ -220,14 +215,12 @@ def test_grpo_replay_seeded_from_a_first_phase(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@train_in_lane(
-    str(ROOT / "configs" / "grpo_1shot.yaml"),
-    *sets("run.generations=2", "data.test_size=40", "grpo.prompts_per_step=2"),
-    *sets("run.show_progress=false"),
-)
-def test_grpo_1shot_config_trains_on_one_example(early_run: EarlyRun) -> None:
-    run_dir = early_run.tmp / "run"
-    assert early_run.returncode == 0, early_run.output[-3000:]
+def test_grpo_1shot_config_trains_on_one_example(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    small = ["run.generations=2", "data.test_size=40", "grpo.prompts_per_step=2"]
+    train(
+        run_dir, str(ROOT / "configs" / "grpo_1shot.yaml"), *sets(*small, "run.show_progress=false")
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["grpo"]["train_examples"] == 1 and summary["grpo"]["entropy"]["coef"] > 0
     assert lora_changed(run_dir)

@@ -25,7 +25,8 @@ from essa.protocols import Evaluator, Optimizer
 from essa.recipes import essa_es
 from essa.rewards import Reward
 from essa.types import Example
-from tests.conftest import GRPO_SETS, EarlyRun
+from tests.cli_runner import essa, start
+from tests.conftest import GRPO_SETS
 from tests.fakes import FakeEvaluator
 
 TRAIN = [Example(prompt=f"{i}+{4 - i}=", answer="4") for i in range(5)]
@@ -310,21 +311,12 @@ def _sets(items: list[str]) -> list[str]:
 def test_grpo_sigint_checkpoints_exits_130_and_resumes_bit_exactly(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ref = tmp_path / "ref"
-    res = subprocess.run(
-        _cli("train", "--run-dir", str(ref), *_sets(GRPO)), capture_output=True, text=True, env=env
-    )
+    res = essa("train", "--run-dir", str(ref), *_sets(GRPO))
     assert res.returncode == 0, res.stderr[-3000:]
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        _cli("train", "--run-dir", str(run_dir), *_sets(GRPO)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    proc = start("train", "--run-dir", str(run_dir), *_sets(GRPO))
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:  # the run's own file says when
@@ -340,9 +332,7 @@ def test_grpo_sigint_checkpoints_exits_130_and_resumes_bit_exactly(tmp_path: Pat
     gens = [json.loads(line)["generation"] for line in metrics.read_text().splitlines()]
     assert 1 <= state["step"] < 6 and gens == list(range(-1, state["step"]))
 
-    res = subprocess.run(
-        _cli("train", "--resume", str(run_dir)), capture_output=True, text=True, env=env
-    )
+    res = essa("train", "--resume", str(run_dir))
     assert res.returncode == 0, res.stderr[-3000:]
     a = load_file(str(ref / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
@@ -428,17 +418,13 @@ def _demo_run(run_dir: Path) -> tuple[str, tuple[float, float, float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.early(  # the first run, beside the suite (tests/conftest.py)
-    sys.executable, "-m", "essa.cli", *DEMO_ARGS, "--run-dir", "{tmp}/demo",
-    env={"OMP_NUM_THREADS": "1"},
-)  # fmt: skip
-def test_demo_adapter_bytes_unchanged_for_seed_0(tmp_path: Path, early_run: EarlyRun) -> None:
+def test_demo_adapter_bytes_unchanged_for_seed_0(tmp_path: Path) -> None:
+    """In a fresh interpreter, as a user runs it (not forked from the tests' preloaded server)."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("the demo record is for CPU kernels")
-    assert early_run.returncode == 0, early_run.output[-3000:]
-    digest, accuracies = _demo_result(early_run.tmp / "demo")
+    digest, accuracies = _demo_run(tmp_path / "demo")
     record = DEMO_RECORDS.get(_numeric_stack())
     if record is not None:
         assert (digest, accuracies) == record

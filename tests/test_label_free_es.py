@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.cli_runner import essa
 from tests.conftest import svd_setup
 from tests.test_mpi import assert_same_adapter, generations, needs_mpi, small, train, trajectory
 
@@ -157,14 +158,8 @@ def test_label_free_and_logprob_rewards_train_end_to_end(
 def test_group_reward_without_groups_is_one_clear_line(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    import subprocess
-    import sys
-
-    res = subprocess.run(
-        [sys.executable, "-m", "essa.cli", "train", "--run-dir", str(tmp_path / "r"),
-         *[a for s in small(tiny_model_dir, "reward.name=majority_vote") for a in ("--set", s)]],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    sets = small(tiny_model_dir, "reward.name=majority_vote")
+    res = essa("train", "--run-dir", str(tmp_path / "r"), *[a for s in sets for a in ("--set", s)])
     assert res.returncode == 2
     assert "samples_per_prompt >= 2" in res.stderr and "pool: population" in res.stderr
     assert "Traceback" not in res.stderr
@@ -172,9 +167,6 @@ def test_group_reward_without_groups_is_one_clear_line(
 
 def test_vote_group_no_vote_reaches_is_one_clear_line(tiny_model_dir: Path, tmp_path: Path) -> None:
     """16 candidates x 1 sample: a population vote of at least 17 completions never happens."""
-    import subprocess
-    import sys
-
     sets = small(
         tiny_model_dir,
         "reward.name=majority_vote",
@@ -182,11 +174,7 @@ def test_vote_group_no_vote_reaches_is_one_clear_line(tiny_model_dir: Path, tmp_
         "reward.params.min_group_size=17",
         "optimizer.population_size=16",
     )
-    res = subprocess.run(
-        [sys.executable, "-m", "essa.cli", "train", "--run-dir", str(tmp_path / "r"),
-         *[a for s in sets for a in ("--set", s)]],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    res = essa("train", "--run-dir", str(tmp_path / "r"), *[a for s in sets for a in ("--set", s)])
     assert res.returncode == 2, res.stderr[-2000:]
     assert "reward.params.min_group_size: 17 is more than the 16 completions" in res.stderr
     assert "Traceback" not in res.stderr

@@ -4,13 +4,12 @@ base + PEFT adapter's, on the bundled demo model."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.cli_runner import essa
 
 SMALL = [
     "sft.steps=4",
@@ -24,17 +23,6 @@ SMALL = [
     "run.show_progress=false",
 ]
 PROMPTS = ["12+30=", "7+8=", "45+54=", "99+1=", "3+4=", "60+25="]
-
-
-def essa(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "essa.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
 
 
 def greedy(model: torch.nn.Module, tokenizer: object, prompts: list[str]) -> list[str]:

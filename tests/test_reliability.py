@@ -12,7 +12,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 
 from essa.config import EvaluationConfig, GenerationConfig, ModelConfig
 from essa.errors import UserError
+from tests.cli_runner import essa
 from tests.conftest import svd_setup
 
 # Fast settings for CLI runs: the faults act during the ES loop, not on accuracy.
@@ -35,19 +35,6 @@ FAST = [
     "evaluation.use_scale_baseline=false",
     "run.show_progress=false",
 ]
-
-
-def essa(
-    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 600
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "essa.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-    )
 
 
 def sets(*items: str) -> list[str]:

