@@ -97,6 +97,11 @@ def table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def record_table(record: dict[str, Any]) -> str:
+    """The table of a ``bench/results/demo.json`` record (docs/results.md renders it)."""
+    return table(record["runs"])
+
+
 def report_rows(result: dict[str, Any]) -> list[Row]:
     """Accuracy before/after (mean over seeds), the gain, and the cost of a run."""
     runs = result["runs"]

@@ -123,6 +123,11 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def record_table(record: dict[str, Any]) -> str:
+    """The table of a ``bench/results/label_free.json`` record (docs/results.md renders it)."""
+    return table(record)
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 

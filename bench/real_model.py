@@ -3,6 +3,7 @@
     python -m bench.real_model [--seeds 0 1 2] [--tasks chain_sum ...] [--no-grpo]
                                [--grpo-tasks chain_sum ...] [--grpo-seeds 0 1 2]
                                [--set k=v] [--reuse] [--out NAME]
+    python -m bench.real_model --tasks chain_sum --verify essa-seed0
 
 For each task (reasoning-gym generators and scorers; nobody here wrote them) this runs, each in
 a fresh process, from ``configs/smollm2.yaml`` with only the task swapped in:
@@ -504,6 +505,59 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def replay_args(record: dict[str, Any], config: Path, run_dir: Path) -> list[str]:
+    """The archived ``essa train`` command again, on ``config`` (its recorded config text) into
+    ``run_dir``, with what made it depend on the clock pinned: the run plan off, and no
+    wall-clock budget, its recorded generation count run instead (all of them when the budget
+    never bound), so the replay makes the very generations the record made."""
+    args = list(record["command"]["args"])
+    args[1] = str(config)
+    args[args.index("--run-dir") + 1] = str(run_dir)
+    summary = json.loads(record["files"]["summary.json"])
+    pins = [
+        "run.plan=false",
+        "run.max_wall_seconds=null",
+        f"run.generations={summary['generations']}",
+    ]
+    return [*args, *sets(pins)]
+
+
+def pass_scores(text: str) -> dict[tuple[str, int], list[float]]:
+    """heldout_scores.jsonl's per-item scores by (pass, generation)."""
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return {(r["pass"], r["generation"]): r["scores"] for r in rows}
+
+
+def verify(task: str, name: str, args: argparse.Namespace) -> bool:
+    """Run the archived command ``name`` of ``task`` again and compare every held-out pass's
+    per-item scores with its record; True when all are the same."""
+    record = read_archive(ARCHIVE / f"{task}.jsonl.xz").get(name)
+    if record is None or record["command"]["args"][0] != "train":
+        raise SystemExit(f"--verify {name}: no archived essa train command of that name for {task}")
+    root = Path(args.root) / task / "verify"
+    root.mkdir(parents=True, exist_ok=True)
+    config = root / f"{name}.yaml"
+    config.write_text(record["command"]["config"])
+    run_dir, log = root / name, root / f"{name}.log"
+    command = replay_args(record, config, run_dir)
+    print(f"[real_model] {task} {name}: essa {' '.join(command)}", flush=True)
+    seconds = essa(command, log, args.threads)
+    want = pass_scores(record["files"]["heldout_scores.jsonl"])
+    got = pass_scores((run_dir / "heldout_scores.jsonl").read_text())
+    same = want == got
+    for key in sorted(set(want) | set(got), key=lambda k: k[1]):
+        a, b = want.get(key), got.get(key)
+        diff = (
+            "missing" if a is None or b is None else sum(x != y for x, y in zip(a, b, strict=True))
+        )
+        mean = "" if b is None else f" mean {statistics.mean(b):.6f}"
+        print(f"[real_model] {task} {name} {key[0]} (generation {key[1]}): "
+              f"{'same' if a == b else f'differs ({diff} items)'}{mean}", flush=True)  # fmt: skip
+    print(f"[real_model] {task} {name}: {'reproduced' if same else 'NOT reproduced'} in "
+          f"{seconds:.0f} s (recorded {record['command']['seconds']:.0f} s)", flush=True)  # fmt: skip
+    return same
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line; a ``--grpo-seeds`` seed that is not in ``--seeds`` is a usage error (GRPO
     starts from that seed's ESSA run, so it would silently not run)."""
@@ -535,6 +589,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--root", default="runs/bench-real-model")
     parser.add_argument(
+        "--verify",
+        metavar="NAME",
+        help="run the archived command NAME (e.g. essa-seed0) of each of --tasks again and "
+        "check that every held-out pass reproduces its recorded per-item scores",
+    )
+    parser.add_argument(
         "--out",
         default="real_model",
         help="write bench/results/OUT.json and OUT.md (a partial run keeps the main table)",
@@ -551,6 +611,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.verify:
+        results = [verify(task, args.verify, args) for task in args.tasks]
+        raise SystemExit(0 if all(results) else 1)
     result: dict[str, Any] = {"config": str(CONFIG), "overrides": args.overrides, "tasks": {}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     for task in args.tasks:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import re
 import subprocess
 import sys
@@ -282,8 +283,15 @@ def plot_throughput(path: Path) -> bool:
 
 
 def study_table(path: Path) -> str:
-    """The markdown table of a study's ``bench/results/<name>.md`` (its table lines only)."""
-    lines = [line for line in path.read_text().splitlines() if line.startswith("|")]
+    """The markdown table of a study: ``bench/results/<name>.md`` as written, or for
+    ``<name>.json`` the table that ``bench.<name>.record_table`` renders from the record (its
+    table lines only)."""
+    if path.suffix == ".json":
+        module = importlib.import_module(f"bench.{path.stem}")
+        text = module.record_table(json.loads(path.read_text()))
+    else:
+        text = path.read_text()
+    lines = [line for line in text.splitlines() if line.startswith("|")]
     if not lines:
         raise ValueError(f"{path} holds no table")
     return "\n".join(lines) + "\n"

@@ -459,12 +459,7 @@ def _model_parts(
     def render(examples: Sequence[Example]) -> list[str]:
         return render_prompts(examples, cfg.data.template, tokenizer, cfg.data.system_prompt)
 
-    report: dict[str, Any] = {}
-    mb = cfg.evaluation.micro_batch_size
-    if d.prompts and "base" in models.names:
-        texts = offtask_prompts(cfg.data.source, d.prompts, tokenizer)
-        prompts = render([Example(prompt=t, answer=None) for t in texts])
-        report.update(offtask_kl(models, prompts, d.tokens, mb))
+    report: dict[str, Any] = _kl_part(cfg, d, models, tokenizer)
     source = retention_source(cfg)
     if source is not None:
         from essa.data.loaders import builtin_examples
@@ -478,6 +473,40 @@ def _model_parts(
             models, items, render(items), gen, d.samples, reward, cfg.run.seed
         )
     return report
+
+
+def _kl_part(cfg: Config, d: DriftConfig, models: Models, tokenizer: Any) -> dict[str, Any]:
+    """Off-task KL (:func:`offtask_kl`) on ``d.prompts`` prompts in the run's template; {} when
+    there is no base model to compare with or no prompt."""
+    from essa.data.task import render_prompts
+
+    if not d.prompts or "base" not in models.names:
+        return {}
+    texts = offtask_prompts(cfg.data.source, d.prompts, tokenizer)
+    questions = [Example(prompt=t, answer=None) for t in texts]
+    prompts = render_prompts(questions, cfg.data.template, tokenizer, cfg.data.system_prompt)
+    return offtask_kl(models, prompts, d.tokens, cfg.evaluation.micro_batch_size)
+
+
+def pass_figures(
+    cfg: Config, models: Models | None, updates: Mapping[str, dict[str, Any]] | None = None
+) -> dict[str, float]:
+    """The drift figures of an intermediate held-out pass, as flat metrics fields: off-task KL
+    (``drift_kl_base``, ``drift_kl_sft``) and the mean relative update of the adapter
+    (``drift_update``); {} with ``evaluation.drift.every_pass`` off. Retention and pass@K,
+    which generate far more, are the final report's (:func:`measure`)."""
+    d: DriftConfig = cfg.evaluation.drift
+    if not d.every_pass:
+        return {}
+    out: dict[str, float] = {}
+    if models is not None:
+        with _eval_mode(models.model):
+            kl = _kl_part(cfg, d, models, models.tokenizer)
+        out.update({f"drift_{k}": kl[k] for k in ("kl_base", "kl_sft") if k in kl})
+    final = (updates or {}).get("final")
+    if final:
+        out["drift_update"] = final["mean"]
+    return out
 
 
 @contextlib.contextmanager
@@ -523,17 +552,7 @@ def adapter_report(
     model (None under vLLM: update sizes need W0 too, so nothing is measured)."""
     if model is None:
         return {}
-    zeros = np.zeros(adapter.dim)
-    updates = None
-    w0 = base_weights(model, adapter.module_names)
-    if w0 is not None:
-        sft, final = adapter.delta_weights(zeros), adapter.delta_weights(vector)
-        search = {name: final[name] - sft[name] for name in final}
-        updates = {
-            "sft": update_size(sft, w0),
-            "final": update_size(final, w0),
-            "search": update_size(search, w0),  # the final adapter's change from SFT
-        }
+    updates = adapter_updates(model, adapter, vector)
     mb = cfg.evaluation.micro_batch_size
     models = PopulationModels(model, tokenizer, adapter, np.asarray(vector), mb)
     with h.phase("drift"):
@@ -542,3 +561,31 @@ def adapter_report(
     if line is not None:
         h.say(line)
     return report
+
+
+def adapter_updates(
+    model: Any, adapter: SVDAdapter, vector: AdapterVector
+) -> dict[str, dict[str, Any]] | None:
+    """Update sizes of the SFT adapter, of ``vector``'s and of the search (their difference),
+    relative to the base weights of ``model``; None when they cannot be read (quantised)."""
+    w0 = base_weights(model, adapter.module_names)
+    if w0 is None:
+        return None
+    sft, final = adapter.delta_weights(np.zeros(adapter.dim)), adapter.delta_weights(vector)
+    search = {name: final[name] - sft[name] for name in final}
+    return {
+        "sft": update_size(sft, w0),
+        "final": update_size(final, w0),
+        "search": update_size(search, w0),  # the final adapter's change from SFT
+    }
+
+
+def adapter_pass_figures(
+    cfg: Config, model: Any, tokenizer: Any, adapter: SVDAdapter, vector: AdapterVector
+) -> dict[str, float]:
+    """ESSA's :func:`pass_figures` for ``vector`` (rank 0; ``model`` None under vLLM: none)."""
+    if model is None or not cfg.evaluation.drift.every_pass:
+        return {}
+    mb = cfg.evaluation.micro_batch_size
+    models = PopulationModels(model, tokenizer, adapter, np.asarray(vector), mb)
+    return pass_figures(cfg, models, adapter_updates(model, adapter, vector))

@@ -149,7 +149,8 @@ def test_results_page_tables_are_the_studies_own() -> None:
     """docs/results.md's tables are copied from the studies' files, so they cannot drift."""
     text = (REPO / "docs" / "results.md").read_text()
     blocks = suite.TABLE_BLOCK.findall(text)
-    assert len(blocks) >= 7
+    assert len(blocks) >= 9
+    assert {"bench/results/demo.json", "bench/results/label_free.json"} <= {b[1] for b in blocks}
     assert suite.sync_tables(text, REPO) == text, "run: python -m bench --report-only"
 
 
@@ -161,6 +162,19 @@ def test_sync_tables_replaces_a_stale_block(tmp_path: Path) -> None:
         fresh
         == "x\n<!-- table: study.md -->\n| a | b |\n|---|---|\n| 1 | 2 |\n<!-- end table -->\ny\n"
     )
+
+
+def test_sync_tables_renders_a_json_record_with_its_study(tmp_path: Path) -> None:
+    """A block naming <study>.json is the table bench.<study>.record_table renders from it."""
+    summary = {"test_size": 100, "baseline_accuracy": 0.5, "final_accuracy": 0.75,
+               "scale_baseline": {"heldout_accuracy": 0.625}}  # fmt: skip
+    record = {"runs": [{"summary": summary, "command_wall_seconds": 60.0}]}
+    (tmp_path / "demo.json").write_text(json.dumps(record))
+    stale = "<!-- table: demo.json -->\n| old |\n<!-- end table -->\n"
+    fresh = suite.sync_tables(stale, tmp_path)
+    assert "| SFT adapter (the starting point) | 0.500 |" in fresh
+    assert "| ESSA (CMA-ES over singular values, distribution mean) | 0.750 |" in fresh
+    assert "| old |" not in fresh and "Gain of ESSA" not in fresh  # table lines only
 
 
 def test_every_bench_module_is_listed_in_one_place() -> None:

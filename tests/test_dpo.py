@@ -308,3 +308,20 @@ def test_dpo_online_lora_resume_after_kill_is_exact(tmp_path: Path, online: Path
         assert torch.equal(a[key], b[key]), key
     assert _same_but_seconds(records(run_dir), records(ref))
     assert (run_dir / "samples.jsonl").read_text() == (ref / "samples.jsonl").read_text()
+
+
+def test_dpo_takes_its_own_sampling_settings_not_grpos() -> None:
+    from essa.config import Config, ConfigError, DPOConfig, GRPOConfig, check_values
+    from essa.config.gradient import EntropyConfig
+
+    check_values(Config(algorithm="dpo", dpo=DPOConfig(train_examples=1, entropy_floor=0.5)))
+    with pytest.raises(
+        ConfigError,
+        match="grpo.train_examples: a GRPO setting; with algorithm dpo set dpo.train_examples",
+    ):
+        check_values(Config(algorithm="dpo", grpo=GRPOConfig(train_examples=1)))
+    with pytest.raises(ConfigError, match="grpo.entropy.floor: .* set dpo.entropy_floor"):
+        check_values(Config(algorithm="dpo", grpo=GRPOConfig(entropy=EntropyConfig(floor=0.5))))
+    check_values(Config(algorithm="grpo", grpo=GRPOConfig(train_examples=1)))  # GRPO's own
+    with pytest.raises(ConfigError, match="dpo.train_examples: must be >= 1"):
+        check_values(Config(algorithm="dpo", dpo=DPOConfig(train_examples=0)))

@@ -82,6 +82,38 @@ def test_peft_and_population_paths_give_the_same_figures(tiny_model_dir: Path) -
     assert pop_size["max"] == pytest.approx(peft_size["final"]["max"], rel=1e-5)
 
 
+def test_pass_figures_are_the_final_reports_kl_and_update_and_can_be_off(
+    tiny_model_dir: Path,
+) -> None:
+    """What every held-out pass logs is the final report's off-task KL and mean update size,
+    flattened; with evaluation.drift.every_pass off it logs nothing."""
+    from dataclasses import replace
+
+    from essa.config import Config, DataConfig
+
+    base, tokenizer, adapter = svd_setup(tiny_model_dir)
+    vector = np.full(adapter.dim, 0.5)
+    cfg = Config(data=DataConfig(source="builtin:arithmetic", template="raw"))
+    cfg = replace(cfg, evaluation=replace(cfg.evaluation, micro_batch_size=4))
+    figures = drift.adapter_pass_figures(cfg, base, tokenizer, adapter, vector)
+    models = drift.PopulationModels(base, tokenizer, adapter, vector, 4)
+    updates = drift.adapter_updates(base, adapter, vector)
+    report = drift.measure(
+        replace(cfg, evaluation=replace(cfg.evaluation, drift=replace(
+            cfg.evaluation.drift, retention="none", samples=0))),
+        models, tokenizer, [], None, updates,
+    )  # fmt: skip
+    assert set(figures) == {"drift_kl_base", "drift_kl_sft", "drift_update"}
+    assert figures["drift_kl_base"] == pytest.approx(report["kl_base"], rel=1e-6)
+    assert figures["drift_kl_sft"] == pytest.approx(report["kl_sft"], rel=1e-6)
+    assert figures["drift_kl_sft"] > 0  # the vector moved off the SFT point
+    assert figures["drift_update"] == report["update"]["final"]["mean"]
+    off = replace(cfg.evaluation.drift, every_pass=False)
+    cfg_off = replace(cfg, evaluation=replace(cfg.evaluation, drift=off))
+    assert drift.adapter_pass_figures(cfg_off, base, tokenizer, adapter, vector) == {}
+    assert drift.adapter_pass_figures(cfg, None, tokenizer, adapter, vector) == {}  # vLLM
+
+
 def test_update_size_matches_a_hand_computation(tiny_model_dir: Path) -> None:
     peft_model, _ = lora_model(tiny_model_dir)
     ratios = []

@@ -255,6 +255,8 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "dpo.pairs_per_step": AT_LEAST_1,
     "dpo.samples_per_prompt": (2, None, True, False),
     "dpo.temperature": POSITIVE,
+    "dpo.entropy_floor": NONNEG,
+    "dpo.train_examples": AT_LEAST_1,
     "dpo.lr": POSITIVE,
     "dpo.weight_decay": NONNEG,
     "dpo.max_grad_norm": NONNEG,

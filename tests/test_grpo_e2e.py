@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import GRPO_SETS
-from tests.test_train_e2e import assert_drift_report, essa, sets
+from tests.test_train_e2e import assert_drift_report, assert_pass_drift, essa, sets
 
 SMALL = [
     *GRPO_SETS,
@@ -80,6 +80,7 @@ def test_grpo_train_writes_run_dir_and_loadable_adapter(tmp_path: Path) -> None:
     assert lora_changed(run_dir), "GRPO changed nothing"
     assert_drift_report(summary["drift"], k=4, items=40)
     assert summary["drift"]["kl_sft"] > 0  # GRPO moved the adapter off its SFT values
+    assert_pass_drift(recs)
 
 
 @pytest.mark.slow

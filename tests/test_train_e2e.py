@@ -94,6 +94,8 @@ def test_train_writes_run_dir_and_loadable_adapter(three_generations: tuple[Path
     assert any(not torch.allclose(final[k], sft_delta[k]) for k in final), "ESSA changed nothing"
     assert_drift_report(summary["drift"], k=4, items=40)
     assert "drift: off-task KL(base||tuned)" in stdout.read_text()
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert_pass_drift(recs)
 
     # `essa eval` of the run's adapters prints the same figures (PEFT path vs population rows).
     res = essa(
@@ -111,6 +113,17 @@ def test_train_writes_run_dir_and_loadable_adapter(three_generations: tuple[Path
         assert printed[key] == pytest.approx(summary["drift"][key], rel=1e-4, abs=1e-7), key
     assert printed["retention"] == summary["drift"]["retention"]
     assert printed["samples"] == summary["drift"]["samples"]  # the same per-row streams
+
+
+def assert_pass_drift(recs: list[dict]) -> None:
+    """Every intermediate held-out pass logs off-task KL and the update size; no other record."""
+    passes = [r for r in recs if r.get("generation", -1) >= 0 and "heldout_accuracy" in r]
+    assert passes
+    for r in recs:
+        if r not in passes:
+            assert not any(k.startswith("drift_") for k in r), r
+    for r in passes:
+        assert r["drift_kl_base"] > 0 and r["drift_kl_sft"] > 0 and r["drift_update"] > 0, r
 
 
 def assert_drift_report(report: dict, k: int, items: int) -> None:

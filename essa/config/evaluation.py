@@ -25,6 +25,9 @@ class DriftConfig:
     items: int = 64  # held-out items for retention and for pass@K; 0: neither
     samples: int = 4  # K completions per held-out item for pass@K, maj@K, mean@K; < 2: none
     temperature: float = 1.0  # pass@K's sampling temperature
+    # Off-task KL and the update size at every held-out pass too (metrics.jsonl, trackers); the
+    # final pass always reports everything above.
+    every_pass: bool = True
 
 
 @dataclass(frozen=True)

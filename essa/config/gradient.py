@@ -123,6 +123,8 @@ class DPOConfig:
     pairs_per_step: int = 8  # file: pairs per step; online: prompts drawn per step
     samples_per_prompt: int = 4  # online: k sampled completions per prompt to pair from
     temperature: float = 1.0  # online sampling; held-out accuracy stays greedy
+    entropy_floor: float = 0.0  # online sampling: ERA-style per-token entropy floor (0: off)
+    train_examples: int | None = None  # only the first N training prompts (as grpo's)
     lr: float = 1e-3  # AdamW (the demo's LoRA scale, as grpo.lr)
     weight_decay: float = 0.0
     lr_schedule: Literal["constant", "cosine"] = "constant"  # cosine: over run.generations
@@ -281,6 +283,10 @@ def check_dpo(d: DPOConfig) -> None:
         raise ConfigError(f"dpo.label_smoothing: must be in [0, 0.5), got {d.label_smoothing}")
     if d.label_smoothing and d.loss != "sigmoid":
         raise ConfigError("dpo.label_smoothing: applies to loss sigmoid only (cDPO)")
+    if d.entropy_floor < 0:
+        raise ConfigError(f"dpo.entropy_floor: must be >= 0, got {d.entropy_floor}")
+    if d.train_examples is not None and d.train_examples < 1:
+        raise ConfigError(f"dpo.train_examples: must be >= 1, got {d.train_examples}")
     _check_lisa("dpo", d.lisa)
 
 

@@ -88,6 +88,7 @@ def check_values(cfg: Config) -> None:
             f"parameters as data.params; got {gym_params} vs {cfg.data.params}"
         )
     check_prm_credit(cfg.grpo, cfg.algorithm, cfg.reward.name)
+    _check_dpo_takes_its_own(cfg)
     _check_scalebio(cfg)
     _check_vllm(cfg)
 
@@ -104,6 +105,18 @@ def _check_reference_weight(cfg: Config) -> None:
             "reward.reference_weight: the reference is teacher-forced in the HF decode loop's "
             "prefill; backend: vllm does not return prompt log-probs per candidate (set it to 0)"
         )
+
+
+def _check_dpo_takes_its_own(cfg: Config) -> None:
+    """DPO reads dpo.*: a GRPO sampling setting under algorithm dpo would do nothing."""
+    if cfg.algorithm != "dpo":
+        return
+    for key, value, own in (
+        ("grpo.train_examples", cfg.grpo.train_examples, "dpo.train_examples"),
+        ("grpo.entropy.floor", cfg.grpo.entropy.floor or None, "dpo.entropy_floor"),
+    ):
+        if value is not None:
+            raise ConfigError(f"{key}: a GRPO setting; with algorithm dpo set {own}")
 
 
 def _check_sft_adapter(cfg: Config) -> None:

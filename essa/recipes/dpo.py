@@ -80,8 +80,7 @@ def run(
         policy = Policy.build(peft_model, d.trainable, cfg.adapter.alpha, use_reference=True)
         optimizer = make_optimizer(policy, d, cfg.run.seed, "dpo")
         trained = [checkpoint.Trained("policy", policy.params, optimizer)]
-        # grpo.train_examples and grpo.entropy.floor (below) act on DPO too, as they always have
-        data = TaskData.build(task, cfg.data, tokenizer, cfg.grpo.train_examples)
+        data = TaskData.build(task, cfg.data, tokenizer, d.train_examples)
         pair_prompts = None
         if pairs is not None:
             questions = [Example(prompt=p.prompt) for p in pairs]
@@ -89,7 +88,7 @@ def run(
                 questions, cfg.data.template, tokenizer, cfg.data.system_prompt
             )
         ev = (cfg.generation, cfg.evaluation.micro_batch_size)
-        sampling = Sampling(*ev, d.temperature, cfg.grpo.entropy.floor)
+        sampling = Sampling(*ev, d.temperature, d.entropy_floor)
         state = checkpoint.load(run_dir, trained) if resume else None
         state = h.restore(state, done=state["step"] if state else 0)
         if state is None:

@@ -76,7 +76,7 @@ def run(
     from essa.backends.memory import memory_metrics
     from essa.data.selection import informative_prompts
     from essa.data.task import render_splits
-    from essa.drift import adapter_report
+    from essa.drift import adapter_pass_figures, adapter_report
     from essa.es import checkpoint
     from essa.es.optimizer import check_searchable, search_optimizer, start_note
     from essa.rewards.loading import check_vote_size, es_reward_inputs, load_reward
@@ -107,6 +107,7 @@ def run(
         evaluator.record_logprobs = COMPLETION_LOGPROBS in reward.needs  # type: ignore[attr-defined]
         heldout = functools.partial(_heldout, h, evaluator, task.test, test_prompts)
         drift = functools.partial(adapter_report, cfg, h, base, tokenizer, adapter, task.test)
+        pass_drift = functools.partial(adapter_pass_figures, cfg, base, tokenizer, adapter)
         # A resumed run's optimizer has the population its plan gave it (plan.json).
         planned = setup.apply_plan(cfg, budget.adopt(h, None))
         build = functools.partial(search_optimizer, planned.optimizer, cfg.run.seed, adapter)
@@ -152,6 +153,8 @@ def run(
             track_best(state, population, fitness)
             if h.due(g, cfg.evaluation.every):
                 record["heldout_accuracy"] = heldout(opt.mean, generation=g, items=budget.items)
+                if h.is_root:  # rank 0 logs the record
+                    record.update(pass_drift(opt.mean))
             state["search_seconds"] = state.get("search_seconds", 0.0) + record["seconds"]
             state["elapsed"] = h.elapsed
             step.finish(record, lambda: checkpoint.save(run_dir, opt, state))

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from essa import drift
 from essa.config import Config, to_dict
 from essa.data.selection import informative_prompts
 from essa.dist import Comm
@@ -141,6 +142,8 @@ def run(
                 record["heldout_accuracy"] = heldout_accuracy(
                     policy, tokenizer, data, h, *ev, step=step.index
                 )
+                if cfg.evaluation.drift.every_pass:
+                    record.update(drift.pass_figures(cfg, *_drift_models(cfg, policy, tokenizer)))
             state.update(step=step.index + 1, elapsed=h.elapsed)
             step.finish(record, lambda: checkpoint.save(run_dir, trained, state))
         state["model_bytes"] = base_bytes
@@ -361,20 +364,24 @@ def _finish(
     return h.finish(summary)
 
 
-def _drift(
-    cfg: Config, h: Harness, policy: Policy, tokenizer: Any, data: TaskData
-) -> dict[str, Any]:
-    """The final policy's drift report (essa/drift.py). LISA trains the base weights (the SFT
-    adapter merged in), so it has neither a base nor an adapter to compare: pass@K and
-    retention of the tuned model only."""
-    from essa import drift
-
+def _drift_models(cfg: Config, policy: Policy, tokenizer: Any) -> tuple[Any, Any]:
+    """(models, update sizes) the drift report compares. LISA trains the base weights (the SFT
+    adapter merged in), so it has neither a base nor an adapter to compare: the tuned model
+    only, and no update sizes."""
     lisa = cfg.grpo.trainable == "lisa"
     sft = None if lisa else policy.frozen_reference
     models = drift.PeftModels(
         policy.model, tokenizer, cfg.evaluation.micro_batch_size, sft=sft, has_base=not lisa
     )
-    updates = None if lisa else drift.peft_updates(policy.model, sft)
+    return models, None if lisa else drift.peft_updates(policy.model, sft)
+
+
+def _drift(
+    cfg: Config, h: Harness, policy: Policy, tokenizer: Any, data: TaskData
+) -> dict[str, Any]:
+    """The final policy's drift report (essa/drift.py): under LISA pass@K and retention of
+    the tuned model only (:func:`_drift_models`)."""
+    models, updates = _drift_models(cfg, policy, tokenizer)
     # Not under policy.inference(): its cached factors would outlive frozen_reference's swap.
     with h.phase("drift"):
         report = drift.measure(cfg, models, tokenizer, data.test, h.metric, updates)
