@@ -390,3 +390,26 @@ def test_grpo_reruns_essa_only_when_it_must_run_and_its_sft_adapter_is_gone(
     assert rm.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=False)
     config.write_text("sft: {steps: 24}\n")  # another config: the record is not this GRPO
     assert rm.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=True)
+
+
+def test_replay_pins_what_depended_on_the_clock(tmp_path: Path) -> None:
+    """--verify reruns the recorded command with its config text, into a new run directory,
+    with the plan off, no wall-clock budget and the recorded generation count."""
+    from bench.real_model import pass_scores, replay_args
+
+    args = ["train", "runs/x/task.yaml", "--overwrite", "--run-dir", "runs/x/essa-seed0",
+            "--set", "run.seed=0"]  # fmt: skip
+    summary = {"generations": 23}
+    record = {"command": {"args": args}, "files": {"summary.json": json.dumps(summary)}}
+    got = replay_args(record, tmp_path / "c.yaml", tmp_path / "run")
+    assert got[:5] == ["train", str(tmp_path / "c.yaml"), "--overwrite", "--run-dir",
+                       str(tmp_path / "run")]  # fmt: skip
+    assert got[5:] == sets(
+        ["run.seed=0", "run.plan=false", "run.max_wall_seconds=null", "run.generations=23"]
+    )
+    assert args[1] == "runs/x/task.yaml"  # the record is not changed
+    text = "".join(
+        json.dumps({"pass": p, "generation": g, "scores": s}) + "\n"
+        for p, g, s in [("held-out baseline", -1, [0.0, 1.0]), ("held-out", 9, [1.0, 1.0])]
+    )
+    assert pass_scores(text) == {("held-out baseline", -1): [0.0, 1.0], ("held-out", 9): [1.0, 1.0]}
