@@ -588,4 +588,6 @@ def adapter_pass_figures(
         return {}
     mb = cfg.evaluation.micro_batch_size
     models = PopulationModels(model, tokenizer, adapter, np.asarray(vector), mb)
-    return pass_figures(cfg, models, adapter_updates(model, adapter, vector))
+    w0 = base_weights(model, adapter.module_names)  # a pass reads the final update size only
+    updates = None if w0 is None else {"final": update_size(adapter.delta_weights(vector), w0)}
+    return pass_figures(cfg, models, updates)
