@@ -131,6 +131,10 @@ def _check_before_load(cfg: Config, config: Path | None, overrides: list[str] | 
 
     try:
         check_prompt_template(cfg.data, cfg.model)
+        if cfg.tools.python.max_tool_calls:
+            from essa.tools.sandbox import check_sandbox
+
+            check_sandbox(cfg.tools.python)  # one snippet: bwrap works here, or one line why
     except UserError as err:
         key = str(err).split(":", 1)[0]
         raise UserError(f"{key_location(config, overrides or (), key)}: {err}") from None

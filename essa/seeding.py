@@ -47,6 +47,7 @@ DOMAINS: dict[str, int] = {
     "reward.random": 105,  # the random reward's Bernoulli draws (keys: an item's draw key)
     "reward.noisy": 106,  # the noisy reward's flips (keys: a group's draw key)
     "drift.samples": 107,  # the final report's pass@K samples (keys: none)
+    "tools.turn": 108,  # a GRPO rollout's turns after the first (keys: the turn)
 }
 
 

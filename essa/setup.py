@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from essa.es.plan import Plan, PlanInputs, TaskLengths
     from essa.gradient.sft import SFTLimit
     from essa.harness import Harness, Reporter
+    from essa.types import Example
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ def evaluator_settings(cfg: Config) -> EvaluatorSettings:
         cfg.run.seed,
         o.population_size,
         cfg.backend,
+        cfg.tools.python if cfg.tools.python.max_tool_calls else None,
     )
 
 
@@ -140,11 +142,12 @@ def load_or_train_adapter(
         )
     peft_model = make_lora_model(model, cfg.adapter)
     prompts = render_prompts(task.sft, cfg.data.template, tokenizer, cfg.data.system_prompt)
+    examples = sft_examples(cfg, task, reporter)
     with reporter.phase("SFT", cfg.sft.steps, unit="steps") as bar:
         losses = train_sft(
             peft_model,
             tokenizer,
-            task.sft,
+            examples,
             prompts,
             cfg.sft,
             cfg.run.seed,
@@ -163,6 +166,19 @@ def load_or_train_adapter(
         )
     out = save_adapter(peft_model, run_dir / "sft_adapter")
     return peft_model, str(out)
+
+
+def sft_examples(cfg: Config, task: Task, reporter: Reporter) -> list[Example]:
+    """The SFT stage's examples: with tool calls and ``tools.python.sft_with_code``, those a
+    solver reads get a code-and-output target (essa.data.tool_sft); the rest keep theirs."""
+    t = cfg.tools.python
+    if not t.max_tool_calls or not t.sft_with_code:
+        return task.sft
+    from essa.data.tool_sft import with_tool_targets
+
+    examples, made = with_tool_targets(task.sft, t, t.answer_format)
+    reporter.say(f"SFT: {made} of {len(examples)} examples have a tool-call target")
+    return examples
 
 
 def adapter_on_every_rank(

@@ -280,6 +280,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "tools.python.max_file_mb": AT_LEAST_1,
     "tools.python.max_output_chars": AT_LEAST_1,
     "tools.python.max_concurrent": AT_LEAST_1,
+    "tools.python.max_tool_calls": NONNEG,
 }  # fmt: skip
 UNBOUNDED = {"grpo.replay.min_reward"}  # a reward threshold: any real number is meaningful
 

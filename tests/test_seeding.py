@@ -40,6 +40,7 @@ ARITY = {
     "reward.random": 6,  # an ESSA item's draw key: (seed, site, generation, prompt, cand., sample)
     "reward.noisy": 5,  # an ESSA group's key: the item's without the sample
     "drift.samples": 0,
+    "tools.turn": 1,
 }
 
 

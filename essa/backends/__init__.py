@@ -28,4 +28,6 @@ def population_evaluator(
         return open_evaluator(settings, tokenizer, adapter, world_size)
     from essa.backends.evaluator import PopulationEvaluator
 
-    return PopulationEvaluator(base, tokenizer, adapter, settings.generation, settings.evaluation)
+    return PopulationEvaluator(
+        base, tokenizer, adapter, settings.generation, settings.evaluation, settings.tools
+    )

@@ -42,6 +42,7 @@ from essa.backends.cache import (
     rewind,
 )
 from essa.backends.sampling import RowPicker
+from essa.backends.stops import ToolCallStop
 
 COMPACT_FRACTION = 8  # drop ended rows once they are at least 1/8 of the running batch
 ACCELERATOR_CHECK_EVERY = 4  # steps between reads of the finished rows on a GPU
@@ -194,6 +195,7 @@ def decode_rows(
     teacher: Sequence[Sequence[int]] | None = None,
     teacher_logprobs: list[list[float]] | None = None,
     draft: bool = False,
+    stopping: ToolCallStop | None = None,
 ) -> torch.Tensor:
     """New tokens (B, T_new) on CPU, padded after each row's stop token as ``generate`` pads.
 
@@ -214,6 +216,8 @@ def decode_rows(
     decoding would have produced, so a row that writes its reference answer takes no decode
     step for it. The tokens are greedy's, computed in one forward instead of one per token
     (equal up to float rounding in the matmuls' order, as in speculative decoding).
+    ``stopping`` (tool-integrated rollouts) also ends a row when its text closes a code block;
+    it turns the draft off (a drafted reference could run past the block).
     """
     config, processors = decode_processors(model, generate_kwargs, input_ids)
     device, width = input_ids.device, input_ids.shape[1]
@@ -229,6 +233,7 @@ def decode_rows(
     longest = max((len(t) for t in teacher), default=0) if teacher is not None else 0
     drafting = (
         draft
+        and stopping is None
         and teacher is not None
         and draft_applies(
             model, processors, picker is None and not config.do_sample, width + longest + max_new
@@ -264,6 +269,8 @@ def decode_rows(
             tokens = torch.where(state.unfinished, tokens, pad)
             state.append(tokens)
             state.unfinished &= ~torch.isin(tokens, stops) & (state.left > 0)
+            if stopping is not None:
+                state.unfinished &= ~stopping.ended(state.sequences[:, width:], state.unfinished)
         if step == max_new - 1 or (step + 1) % every:
             continue
         running = state.unfinished.cpu()  # the one host sync, every `every` steps

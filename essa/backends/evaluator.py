@@ -37,9 +37,11 @@ import torch
 from essa.adapters import PopulationLoRA, SVDAdapter, merged_candidate
 from essa.adapters.population import HALF_DTYPES
 from essa.backends.generate import NonFiniteGuard, generate_texts
-from essa.config import EvaluationConfig, GenerationConfig
+from essa.backends.stops import ToolCallStop
+from essa.config import EvaluationConfig, GenerationConfig, PythonToolConfig
 from essa.errors import UserError
 from essa.protocols import RowProgress
+from essa.tools.turns import ToolTally
 from essa.types import Population
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class PopulationEvaluator:
         adapter: SVDAdapter,
         gen: GenerationConfig,
         cfg: EvaluationConfig,
+        tools: PythonToolConfig | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -115,6 +118,10 @@ class PopulationEvaluator:
         self._reference_ids: list[list[int]] | None = None  # of the current call, per item
         # Prompt -> token ids: every prompt is tokenised once per run, not every generation.
         self._token_ids: dict[str, list[int]] = {}
+        # Tool-integrated rollouts (essa.backends.tool_turns): their use since the last take.
+        self.tools = tools if tools is not None and tools.max_tool_calls > 0 else None
+        self._tool_stop: ToolCallStop | None = None
+        self.tool_tally = ToolTally()
         dtypes = {model.get_submodule(name).weight.dtype for name in adapter.module_names}
         # bitsandbytes int8/int4 weights cannot take a merged delta, and bf16/fp16 ones would
         # round the candidates together (essa.adapters.merged): only `batched` applies.
@@ -311,6 +318,31 @@ class PopulationEvaluator:
         """The current call's reference ids for its ``n`` rows (a probe's warm-up runs one)."""
         return None if self._reference_ids is None else self._reference_ids[:n]
 
+    def take_tool_metrics(self) -> dict[str, float]:
+        """Tool use (essa.tools.turns.ToolTally) since the last take; empty without tools."""
+        if self.tools is None:
+            return {}
+        tally, self.tool_tally = self.tool_tally, ToolTally()
+        return tally.metrics()
+
+    def _generate(self, prompts: Sequence[str], **kwargs: Any) -> tuple[list[str], int]:
+        """generate_texts, or with tools its turn-by-turn form (tool outputs in the texts)."""
+        if self.tools is None:
+            return generate_texts(self.model, self.tokenizer, prompts, self.gen, **kwargs)
+        from essa.backends.tool_turns import generate_turns
+        from essa.rewards.extract import extract_answer
+
+        if self._tool_stop is None:
+            self._tool_stop = ToolCallStop(self.tokenizer, self.tools)
+        kwargs.pop("reference_draft", None)
+        texts, tokens, transcripts = generate_turns(
+            self.model, self.tokenizer, kwargs.pop("token_ids"), self.gen, self.tools,
+            stopping=self._tool_stop, **kwargs,
+        )  # fmt: skip
+        finals = [extract_answer(t.turns[-1]) if t.turns else None for t in transcripts]
+        self.tool_tally.add(transcripts, finals)
+        return texts, tokens
+
     def _guard(self, n_rows: int) -> NonFiniteGuard:
         return NonFiniteGuard(n_rows, self.tokenizer.eos_token_id)
 
@@ -328,11 +360,8 @@ class PopulationEvaluator:
         ref_logprobs: list[list[float]] | None = None if refs is None else []
         with PopulationLoRA(self.model, self.adapter) as pop:
             pop.set_population(population)
-            texts, tokens = generate_texts(
-                self.model,
-                self.tokenizer,
+            texts, tokens = self._generate(
                 [prompts[i] for i in items],
-                self.gen,
                 micro_batch_size=self.micro_batch_size,
                 row_candidates=order // n,  # (P * n,)
                 set_rows=pop.set_rows,
@@ -378,11 +407,8 @@ class PopulationEvaluator:
             logprobs: list[list[float]] | None = [] if self.record_logprobs else None
             ref_logprobs: list[list[float]] | None = None if refs is None else []
             with merged_candidate(self.model, self.adapter, vector):
-                texts, new = generate_texts(
-                    self.model,
-                    self.tokenizer,
+                texts, new = self._generate(
                     prompts,
-                    self.gen,
                     micro_batch_size=self.micro_batch_size,
                     seed=seed,
                     use_prefix_cache=self.cfg.use_prefix_cache,

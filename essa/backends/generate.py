@@ -29,7 +29,7 @@ from essa.backends.decode import (
 )
 from essa.backends.models import model_device
 from essa.backends.sampling import RowPicker
-from essa.backends.stops import stop_token_ids
+from essa.backends.stops import ToolCallStop, stop_token_ids
 from essa.config import GenerationConfig
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ def generate_texts(
     reference_ids: Sequence[Sequence[int]] | None = None,
     reference_logprobs: list[list[float]] | None = None,
     reference_draft: bool = False,
+    stopping: ToolCallStop | None = None,
+    out_ids: list[list[int]] | None = None,
 ) -> tuple[list[str], int]:
     """Generate one completion per prompt, in micro-batches of rows.
 
@@ -88,6 +90,9 @@ def generate_texts(
     the row's prompt are appended to it, one list per row: in the decode loop's own prefill
     (``essa.backends.decode``), or a separate forward where that loop does not apply. With
     ``reference_draft`` that prefill is also a greedy draft (``decode_rows``' ``draft``).
+    ``stopping`` also ends a row whose text closes a code block (tool-integrated rollouts,
+    essa.backends.tool_turns); with ``out_ids`` (an empty list) each row's new token ids, up to
+    its stop token or the end of the micro-batch's longest row, are appended to it.
     """
     if not prompts:
         return [], 0
@@ -154,17 +159,24 @@ def generate_texts(
                 model, input_ids, attention_mask, kwargs, cache=cache, rows=rows,
                 set_rows=set_rows, guard=guard, guard_offset=start, picker=picker,
                 teacher=teacher, teacher_logprobs=reference_logprobs, draft=reference_draft,
+                stopping=stopping,
             )  # fmt: skip
         else:
             if teacher is not None and reference_logprobs is not None:
                 reference_logprobs.extend(
                     _teacher_pass(model, tokenizer, encoded[start:stop], teacher)
                 )
+            if stopping is not None:
+                stopping.width = input_ids.shape[1]
             new = _generate(
-                model, input_ids, attention_mask, kwargs, cache, guard, start, stop, picker
-            )
+                model, input_ids, attention_mask, kwargs, cache, guard, start, stop, picker,
+                stopping,
+            )  # fmt: skip
         if picker is not None and logprobs is not None:
             logprobs.extend(picker.row_logprobs(stop_lengths(list(new), torch.tensor(stops))))
+        if out_ids is not None:
+            lengths = stop_lengths(list(new), torch.tensor(stops))
+            out_ids.extend(row[:n].tolist() for row, n in zip(new, lengths, strict=True))
         new_tokens += int((new != tokenizer.pad_token_id).sum())
         completions.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
         if progress is not None:
@@ -195,9 +207,10 @@ def _generate(
     start: int,
     stop: int,
     picker: RowPicker | None = None,
+    stopping: ToolCallStop | None = None,
 ) -> torch.Tensor:
     """HF ``generate`` for models the row-dropping loop does not cover; new tokens (B, T_new)."""
-    from transformers import LogitsProcessorList
+    from transformers import LogitsProcessorList, StoppingCriteriaList
 
     processors = LogitsProcessorList() if guard is None else guard.processors(start, stop)
     raw: list[torch.Tensor] = []  # the model's own logits of the current step, (B, V)
@@ -208,6 +221,8 @@ def _generate(
     extra: dict[str, Any] = {"logits_processor": processors} if processors else {}
     if cache is not None:
         extra[cache_argument(model)] = cache
+    if stopping is not None:
+        extra["stopping_criteria"] = StoppingCriteriaList([stopping])
     try:
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **extra, **kwargs)
     finally:

@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from essa.config import EvaluationConfig, GenerationConfig, ModelConfig, VLLMConfig
+from essa.config import (
+    EvaluationConfig,
+    GenerationConfig,
+    ModelConfig,
+    PythonToolConfig,
+    VLLMConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -20,3 +26,4 @@ class EvaluatorSettings:
     seed: int  # run.seed: vLLM's engine seed
     population_size: int  # optimizer.population_size: vLLM's LoRA slots per rank
     backend: Literal["hf", "vllm"] = "hf"
+    tools: PythonToolConfig | None = None  # tool-integrated rollouts (HF only); None: text

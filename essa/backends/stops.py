@@ -32,3 +32,50 @@ def stop_token_ids(tokenizer: Any, generation_config: Any | None) -> list[int]:
             if int(token) not in ids:
                 ids.append(int(token))
     return ids
+
+
+class ToolCallStop:
+    """Ends a row when its text since the turn began closes a code block (essa.tools.turns).
+
+    Checked after every decode step on the running rows; only rows whose newest token can hold
+    the block's last character (``closing``, from the vocabulary once) are decoded and tested,
+    so a step costs a tensor lookup for the rest. Also usable as a ``generate`` stopping
+    criterion (:meth:`__call__`). Needs the rows' tokens on the host (a sync per step on GPUs).
+    """
+
+    def __init__(self, tokenizer: Any, cfg: Any, width: int = 0) -> None:
+        import torch
+
+        char = cfg.code_end[-1]
+        fallback = f"<0x{ord(char):02X}>" if ord(char) < 256 else None  # byte-fallback tokens
+        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        self.closing = torch.tensor(
+            [p is not None and (char in p or p == fallback) for p in pieces], dtype=torch.bool
+        )  # (V,)
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.width = width  # prompt columns before the turn's first token (``generate``)
+
+    def ended(self, generated: Any, running: Any) -> Any:
+        """(b,) bool: the rows of ``generated`` (b, t) new tokens, among ``running`` (b,), whose
+        text closes a code block at the last token."""
+        import torch
+
+        from essa.tools.turns import block_end
+
+        out = torch.zeros(generated.shape[0], dtype=torch.bool)
+        if generated.shape[1] == 0:
+            return out.to(generated.device)
+        last = generated[:, -1].cpu()
+        inside = last < len(self.closing)
+        candidates = running.cpu() & inside & self.closing[last.clamp(max=len(self.closing) - 1)]
+        for i in candidates.nonzero().flatten().tolist():
+            text = self.tokenizer.decode(generated[i].tolist(), skip_special_tokens=True)
+            out[i] = block_end(text, self.cfg) is not None
+        return out.to(generated.device)
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        running = torch.ones(input_ids.shape[0], dtype=torch.bool)
+        return self.ended(input_ids[:, self.width :], running)

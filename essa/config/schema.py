@@ -91,6 +91,48 @@ def check_values(cfg: Config) -> None:
     _check_dpo_takes_its_own(cfg)
     _check_scalebio(cfg)
     _check_vllm(cfg)
+    _check_tool_rollouts(cfg)
+
+
+def _check_tool_rollouts(cfg: Config) -> None:
+    """Tool calls happen in the HF decode loop of ESSA populations and GRPO rollouts only."""
+    t = cfg.tools.python
+    if not t.max_tool_calls:
+        if t.drop_void_turns:
+            raise ConfigError(
+                "tools.python.drop_void_turns: needs tool calls (set tools.python.max_tool_calls)"
+            )
+        return
+    if cfg.algorithm not in ("essa", "grpo"):
+        raise ConfigError(
+            f"tools.python.max_tool_calls: tool calls run in essa and grpo rollouts; algorithm "
+            f"{cfg.algorithm} generates no rollouts with tools (set it to 0)"
+        )
+    if cfg.backend != "hf":
+        raise ConfigError(
+            "tools.python.max_tool_calls: backend vllm cannot stop a row for a tool call and "
+            "resume it; use backend: hf (or set it to 0)"
+        )
+    if t.drop_void_turns and cfg.algorithm != "grpo":
+        raise ConfigError(
+            "tools.python.drop_void_turns: SimpleTIR's filter drops trajectories from a policy "
+            "gradient; algorithm essa has none (set it to false)"
+        )
+    if cfg.algorithm == "grpo" and cfg.grpo.replay.capacity:
+        raise ConfigError(
+            "grpo.replay.capacity: replayed completions are stored as the model's tokens only; "
+            "with tools.python.max_tool_calls their tool outputs would be lost (set it to 0)"
+        )
+    if cfg.algorithm == "grpo" and cfg.grpo.prm_credit == "step":
+        raise ConfigError(
+            "grpo.prm_credit: step credit splits one text block into steps; it does not run "
+            "with tools.python.max_tool_calls (use sequence)"
+        )
+    if cfg.algorithm == "grpo" and cfg.grpo.cure.use_branching:
+        raise ConfigError(
+            "grpo.cure.use_branching: CURE re-generates from a critical token of one text "
+            "block; it does not run with tools.python.max_tool_calls (set one of them off)"
+        )
 
 
 def _check_reference_weight(cfg: Config) -> None:

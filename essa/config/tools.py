@@ -1,5 +1,5 @@
-"""Tools a policy may call during a rollout: section ``tools`` (the sandboxed Python executor's
-limits), with its range checks."""
+"""Tools a policy may call during a rollout: section ``tools`` (the sandboxed Python executor:
+its limits, the turn format of tool-integrated rollouts), with its range checks."""
 
 from __future__ import annotations
 
@@ -22,6 +22,21 @@ class PythonToolConfig:
     # no isolation (they can read the filesystem and reach the network); off: a missing bwrap
     # is an error.
     allow_unisolated: bool = False
+    # Tool-integrated rollouts (docs/tools.md): code blocks a completion may run, per row; 0:
+    # rollouts are plain text. Generation stops when a block closes, the code runs and its
+    # output is appended in an output block, and the model goes on.
+    max_tool_calls: int = 0
+    code_start: str = "```python\n"  # ToRL's format by default
+    code_end: str = "\n```"
+    output_start: str = "\n```output\n"
+    output_end: str = "\n```\n"
+    show_last_expression: bool = True  # a block ending in an expression prints its repr
+    # SFT targets of tasks with a code solution become code, output, answer (essa.data.tool_sft)
+    sft_with_code: bool = True
+    answer_format: str = "The answer is {answer}."  # the SFT target's last line after the output
+    # GRPO: trajectories with a void turn (neither a closed code block nor an answer) get no
+    # gradient (SimpleTIR's filter).
+    drop_void_turns: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,3 +61,12 @@ def _check_python_tool(p: PythonToolConfig) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}: must be > 0, got {value}")
+    if p.max_tool_calls < 0:
+        raise ConfigError(f"tools.python.max_tool_calls: must be >= 0, got {p.max_tool_calls}")
+    for key in ("code_start", "code_end", "output_start"):
+        if not getattr(p, key):
+            raise ConfigError(f"tools.python.{key}: must not be empty")
+    if p.answer_format.count("{answer}") != 1 or "{}" in p.answer_format:
+        raise ConfigError(
+            f"tools.python.answer_format: needs one {{answer}} field, got {p.answer_format!r}"
+        )

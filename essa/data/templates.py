@@ -68,6 +68,18 @@ def _r1(question: str, tokenizer: Any) -> str:
     return f"{_R1_INSTRUCTION}\nUser: {question}\nAssistant: <think>"
 
 
+# Tool-integrated reasoning (ToRL's format, the tools.python defaults): the system turn says
+# how to run Python and how to state the answer (essa.data.tool_sft writes SFT targets so).
+PYTHON_TOOL_INSTRUCTION = (
+    "You can run Python. Write code in a ```python block; it runs, and what it prints appears "
+    "in an ```output block after it. Then state the final answer as: The answer is <answer>."
+)
+
+
+def _python_tool(question: str, tokenizer: Any) -> str:
+    return _chat(question, tokenizer, PYTHON_TOOL_INSTRUCTION)
+
+
 def _auto(question: str, tokenizer: Any) -> str:
     return TEMPLATES[resolve_template("auto", tokenizer)](question, tokenizer)
 
@@ -81,6 +93,7 @@ TEMPLATES: dict[str, Callable[[str, Any], str]] = {
     "qwen_boxed": _qwen_boxed,
     "essa_math": _essa_math,
     "r1": _r1,
+    "python_tool": _python_tool,
 }
 
 
@@ -119,10 +132,10 @@ def check_template(template: str, tokenizer: Any, system_prompt: str | None = No
             f"data.system_prompt applies to template 'chat' only; template {template!r} has "
             "its own fixed prompt"
         )
-    if template == "chat" and getattr(tokenizer, "chat_template", None) is None:
+    if template in ("chat", "python_tool") and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
-            "template 'chat' needs a tokenizer with a chat template, and this one has none "
-            "(use template 'auto' or 'raw')"
+            f"template {template!r} needs a tokenizer with a chat template, and this one has "
+            "none (use template 'auto' or 'raw')"
         )
     if template in CHATML_TEMPLATES and tokenizer is not None:
         missing = [t for t in CHATML_TOKENS if not _has_token(tokenizer, t)]
@@ -168,7 +181,9 @@ def render_prompt(
     - ``qwen_boxed``: Qwen2-Math, system "You are a helpful assistant.", the boxed instruction
       after the question in the user turn;
     - ``essa_math``: ChatML with the ESSA paper's system prompt (App. H.1);
-    - ``r1``: understand-r1-zero plain-text R1 prompt ending in ``"Assistant: <think>"``.
+    - ``r1``: understand-r1-zero plain-text R1 prompt ending in ``"Assistant: <think>"``;
+    - ``python_tool``: ``chat`` with a system turn saying the model may run Python in ToRL's
+      code and output blocks and how to state the answer (tool-integrated rollouts).
 
     >>> render_prompt("qwen_math_cot", "1+1?").splitlines()[2:4]
     ['<|im_start|>user', '1+1?<|im_end|>']

@@ -138,6 +138,14 @@ def track_best(state: dict[str, Any], population: Population, fitness: Fitness) 
         state["best_vector"] = population[i].tolist()
 
 
+def tool_metrics(evaluator: Evaluator, prefix: str = "") -> dict[str, float]:
+    """Tool use since the last call (tool_calls_per_row, tool_error_rate, tool_rows,
+    tool_output_used; essa.tools.turns.ToolTally), ``prefix`` on the names; empty for an
+    evaluator without tools. Rank-local under MPI: each rank runs its own rows' calls."""
+    take = getattr(evaluator, "take_tool_metrics", None)
+    return {} if take is None else {prefix + k: v for k, v in take().items()}
+
+
 def generation_record(
     g: int,
     fitness: Fitness,

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from essa.backends.stops import stop_token_ids
-from essa.config import GenerationConfig, GRPOConfig
+from essa.config import GenerationConfig, GRPOConfig, PythonToolConfig
 from essa.gradient.losses import era_activation, token_entropy
 
 if TYPE_CHECKING:
     from essa.adapters.svd import SVDAdapter
+    from essa.tools.turns import Transcript
 
 
 @dataclass
@@ -146,6 +147,8 @@ class Rollout:
     mask: torch.Tensor  # (B, T) float: completion tokens up to and including the first EOS
     truncated: torch.Tensor  # (B,) bool: no EOS within max_new_tokens
     texts: list[str]
+    # Tool-integrated rollouts: each row's turns and tool calls; ``mask`` is 0 on tool outputs.
+    transcripts: list[Transcript] | None = None
 
 
 @dataclass(frozen=True)
@@ -157,13 +160,19 @@ class Sampling:
     micro_batch_size: int
     temperature: float
     entropy_floor: float = 0.0
+    tools: PythonToolConfig | None = None  # tool-integrated rollouts (essa.gradient.tool_rollout)
 
     @classmethod
     def for_grpo(
-        cls, g: GRPOConfig, generation: GenerationConfig, micro_batch_size: int
+        cls,
+        g: GRPOConfig,
+        generation: GenerationConfig,
+        micro_batch_size: int,
+        tools: PythonToolConfig | None = None,
     ) -> Sampling:
-        """GRPO's: ``grpo.temperature`` and ``grpo.entropy.floor``."""
-        return cls(generation, micro_batch_size, g.temperature, g.entropy.floor)
+        """GRPO's: ``grpo.temperature`` and ``grpo.entropy.floor``; ``tools`` when it calls."""
+        calls = tools if tools is not None and tools.max_tool_calls else None
+        return cls(generation, micro_batch_size, g.temperature, g.entropy.floor, calls)
 
 
 @torch.no_grad()
@@ -180,6 +189,7 @@ def rollout(
 
     ``progress(rows)`` is called after each micro-batch. With an entropy floor the tokens are
     drawn from the ERA-activated distribution the loss trains (see :func:`sampling_processors`).
+    Tool-integrated rollouts are :func:`essa.gradient.tool_rollout.tool_rollout`.
     """
     batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
     return rollout_from_ids(
@@ -199,10 +209,12 @@ def rollout_from_ids(
     progress: Callable[[int], None] | None = None,
     budgets: torch.Tensor | None = None,
     temperature: float | None = None,
+    stopping: Any = None,
 ) -> Rollout:
     """:func:`rollout` from left-padded token ids (B, P); ``budgets`` (B,) caps each row's
     completion length (default ``generation.max_new_tokens``): tokens past a row's budget are
-    dropped as if never sampled, and a row without EOS within it is truncated.
+    dropped as if never sampled, and a row without EOS within it is truncated. ``stopping``
+    (a ``generate`` stopping criterion, essa.backends.stops.ToolCallStop) ends rows early too.
     """
     temperature = sampling.temperature if temperature is None else temperature
     processors, temperature = sampling_processors(sampling.entropy_floor, temperature)
@@ -219,6 +231,13 @@ def rollout_from_ids(
     with policy.inference():
         for start in range(0, len(input_ids), size):
             part = {k: v[start : start + size].to(device) for k, v in batch.items()}
+            if stopping is not None:
+                from transformers import StoppingCriteriaList
+
+                stopping.width = part["input_ids"].shape[1]
+                extra = {"stopping_criteria": StoppingCriteriaList([stopping])}
+            else:
+                extra = {}
             out = model.generate(
                 **part,
                 do_sample=True,
@@ -229,6 +248,7 @@ def rollout_from_ids(
                 max_new_tokens=max_new_tokens,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=stops or tokenizer.eos_token_id,
+                **extra,
             )
             chunks.append(out[:, part["input_ids"].shape[1] :].cpu())  # (b, T_chunk)
             if progress is not None:
@@ -319,6 +339,7 @@ def select(out: Rollout, rows: torch.Tensor) -> Rollout:
         out.mask[rows],
         out.truncated[rows],
         [out.texts[i] for i in rows.tolist()],
+        None if out.transcripts is None else [out.transcripts[i] for i in rows.tolist()],
     )
 
 
@@ -353,4 +374,7 @@ def merge(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         torch.cat([x[3] for x in parts]),
         torch.cat([r.truncated for r in rollouts]),
         [text for r in rollouts for text in r.texts],
+        None
+        if any(r.transcripts is None for r in rollouts)
+        else [t for r in rollouts for t in r.transcripts or []],
     )

@@ -29,7 +29,10 @@ from essa.gradient import cure, losses, replay
 from essa.gradient.data import TaskData, draw
 from essa.gradient.policy import Policy, Rollout, Sampling, merge, rollout, select
 from essa.gradient.prm_credit import step_credit
+from essa.gradient.tool_rollout import tool_rollout
 from essa.rewards.base import DrawKey, Reward, score
+from essa.rewards.extract import extract_answer
+from essa.tools.turns import ToolTally
 
 if TYPE_CHECKING:
     from essa.data.selection import Informative
@@ -107,7 +110,10 @@ def sample_groups(
     new_tokens = 0
     rounds = 0
     cure_tally = cure.Tally()
+    tool_tally = ToolTally()
     sample = cure.branching(g, cure_tally) if cure.is_active(g.cure, step) else rollout
+    if sampling.tools is not None:  # the config refuses CURE with tools
+        sample = tool_rollout
     while rounds < MAX_SAMPLING_ROUNDS and len(kept.prompt_ids) < g.prompts_per_step:
         idx = draw_prompts(g, len(data.train), seed, step, rounds)
         if informative is None:
@@ -128,6 +134,9 @@ def sample_groups(
         # draw keys: (seed, step, round, prompt i of the round, sample j), row-major like out
         keys = [(seed, step, rounds, i, j) for i in range(len(idx)) for j in range(g.group_size)]
         rewards = score_round(g, sampling, reward, out, answers, prompts, keys)  # (B,)
+        if out.transcripts is not None:
+            finals = [extract_answer(t.turns[-1]) if t.turns else None for t in out.transcripts]
+            tool_tally.add(out.transcripts, finals)
         # per-token PRM credit from the same PRM pass (the reward kept its step scores)
         credit = step_credit(tokenizer, out, prompts, reward) if g.prm_credit == "step" else None
         if buffer is not None:
@@ -165,6 +174,7 @@ def sample_groups(
         "new_tokens": new_tokens,
         "temperature": temperature,
         **(cure_tally.metrics() if g.cure.use_branching else {}),
+        **(tool_tally.metrics() if sampling.tools is not None else {}),
     }
     return kept, found, stats
 

@@ -40,6 +40,7 @@ from essa.es.generation import (
     generation_record,
     heldout_texts,
     shard_fitness,
+    tool_metrics,
     track_best,
 )
 from essa.es.optimizer import tell
@@ -153,6 +154,7 @@ def run(
             track_best(state, population, fitness)
             if h.due(g, cfg.evaluation.every):
                 record["heldout_accuracy"] = heldout(opt.mean, generation=g, items=budget.items)
+                record.update(tool_metrics(evaluator, "heldout_"))
                 if h.is_root:  # rank 0 logs the record
                     record.update(pass_drift(opt.mean))
             state["search_seconds"] = state.get("search_seconds", 0.0) + record["seconds"]
@@ -160,7 +162,7 @@ def run(
             step.finish(record, lambda: checkpoint.save(run_dir, opt, state))
         state.update(test_size=len(task.test), model_bytes=base_bytes, elapsed=h.elapsed)
         state["max_new_tokens"] = cfg.generation.new_tokens
-        return _finish(cfg, h, adapter, opt, state, heldout, sft_dir, drift)
+        return _finish(cfg, h, adapter, opt, state, heldout, sft_dir, drift, evaluator)
 
 
 def _heldout(
@@ -210,6 +212,7 @@ def _generation(
     start = time.perf_counter()
     bytes_before, tokens_before = comm.comm_bytes, evaluator.stats.new_tokens
     faults_before = fault_counts(reward, evaluator)
+    tool_metrics(evaluator)  # counts from earlier held-out passes are not this generation's
     population = opt.ask()  # (P, D), identical on every rank
     settings = FitnessSettings.of(cfg.run, cfg.data, cfg.generation, cfg.reward)
     fitness, pool = shard_fitness(
@@ -225,6 +228,7 @@ def _generation(
     record.update(world_size=comm.world_size, comm_bytes=comm.comm_bytes - bytes_before)
     record.update(faults)
     record.update(pool)  # majority_share, answered_share under pool: population
+    record.update(tool_metrics(evaluator))  # tool_calls_per_row, ... with tools.python
     if informative is not None:  # prompts_skipped, rows_saved, prompts_hinted, ...
         record.update(informative.end_step())
     return record, population, fitness
@@ -310,6 +314,7 @@ def _finish(
     heldout: Heldout,
     sft_dir: str,
     drift: Callable[[AdapterVector], dict[str, Any]],
+    evaluator: Evaluator,
 ) -> dict[str, Any]:
     """Evaluate the selected vector on the held-out split (every rank, sharded); rank 0 alone
     measures its drift (essa/drift.py), exports it and writes the summary (the others return
@@ -319,7 +324,9 @@ def _finish(
     vector = np.asarray(opt.mean)
     if cfg.evaluation.select == "best" and state["best_vector"] is not None:
         vector = np.asarray(state["best_vector"])
+    tool_metrics(evaluator)
     final = heldout(vector, "final held-out", opt.generation, final=True)
+    tool_use = tool_metrics(evaluator)  # the final pass's: tool_calls_per_row, ...
     if not h.is_root:
         return {}
     if "generations" in h.reporter.planned:  # the loop's phase also holds its held-out checks
@@ -343,6 +350,7 @@ def _finish(
         dim=adapter.dim,
         test_size=state["test_size"],
         drift=report,
+        **({"tools": tool_use} if tool_use else {}),
         **memory_metrics(state["model_bytes"]),
     )
     if summary["scale_baseline"] and "heldout_accuracy" in summary["scale_baseline"]:

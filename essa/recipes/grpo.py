@@ -66,8 +66,10 @@ from essa.gradient.policy import Policy, Rollout, Sampling, token_logprobs
 from essa.gradient.prm_credit import with_step_credit
 from essa.gradient.sampling import sample_groups, temperature_at, training_batch
 from essa.gradient.schedule import clip_gradients, lr_factor
+from essa.gradient.tool_rollout import void_turns
 from essa.harness import Harness, Phase
 from essa.rewards.base import DRAW_KEYS, Reward
+from essa.tools.turns import ToolTally
 
 if TYPE_CHECKING:
     from essa.data.selection import Informative
@@ -118,7 +120,7 @@ def run(
         state = h.restore(state, done=state["step"] if state else 0)
         if state is None:
             fields = {"dim": policy.dim, "variant": losses.preset(g)}
-            state = baseline_state(policy, tokenizer, data, h, *ev, fields)
+            state = baseline_state(policy, tokenizer, data, h, *ev, fields, cfg.tools.python)
             state.update(history={}, replay=[])
             if g.replay.seed_file is not None:
                 state["replay"], line = replay.seeded_buffer(
@@ -139,9 +141,13 @@ def run(
                 step.progress, informative, prime,
             )  # fmt: skip
             if h.due(step.index, cfg.evaluation.every):
+                tally = ToolTally()
                 record["heldout_accuracy"] = heldout_accuracy(
-                    policy, tokenizer, data, h, *ev, step=step.index
-                )
+                    policy, tokenizer, data, h, *ev, step=step.index, tools=cfg.tools.python,
+                    tally=tally,
+                )  # fmt: skip
+                if cfg.tools.python.max_tool_calls:
+                    record.update({"heldout_" + k: v for k, v in tally.metrics().items()})
                 if cfg.evaluation.drift.every_pass:
                     record.update(drift.pass_figures(cfg, *_drift_models(cfg, policy, tokenizer)))
             state.update(step=step.index + 1, elapsed=h.elapsed)
@@ -178,7 +184,9 @@ def train_step(
     buffer = None
     if g.replay.capacity:
         buffer = replay.ReplayBuffer.from_json(g.replay.capacity, state["replay"])
-    sampling = Sampling.for_grpo(g, cfg.generation, cfg.evaluation.micro_batch_size)
+    sampling = Sampling.for_grpo(
+        g, cfg.generation, cfg.evaluation.micro_batch_size, cfg.tools.python
+    )
     groups, found, stats = sample_groups(
         g, sampling, cfg.run.seed, variant, policy, tokenizer, reward, data, step,
         round_bar, informative, buffer,
@@ -205,6 +213,10 @@ def train_step(
     mask = batch.mask * adv.keep[group_index, slot][:, None]  # (B, T)
     if variant.use_truncation_mask:
         mask = mask * ~batch.truncated[:, None]  # overlong filtering (spec §5.4a)
+    if cfg.tools.python.drop_void_turns and batch.transcripts is not None:
+        void = void_turns(batch.transcripts)  # (B,) SimpleTIR: no gradient from these
+        mask = mask * ~void[:, None]
+        record["void_trajectories"] = int(void.sum())
     counts = losses.step_counts(mask, group_index, cfg.generation.new_tokens)
     factor = lr_factor(step, cfg.run.generations, g.lr_warmup_steps, g.lr_schedule)
     for param_group in optimizer.param_groups:
@@ -331,9 +343,10 @@ def _finish(
     from essa.backends.memory import memory_metrics
 
     g = cfg.grpo
+    tally = ToolTally()
     final = heldout_accuracy(
         policy, tokenizer, data, h, cfg.generation, cfg.evaluation.micro_batch_size,
-        "final held-out", state["step"], final=True,
+        "final held-out", state["step"], final=True, tools=cfg.tools.python, tally=tally,
     )  # fmt: skip
     report = _drift(cfg, h, policy, tokenizer, data)
     adapter_dir = h.run_dir / "adapter"
@@ -358,6 +371,7 @@ def _finish(
         test_size=len(data.test),
         variant=losses.preset(g),
         grpo=to_dict(g),
+        **({"tools": tally.metrics()} if cfg.tools.python.max_tool_calls else {}),
         drift=report,
         **memory_metrics(state["model_bytes"]),
     )

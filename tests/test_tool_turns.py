@@ -1,0 +1,387 @@
+"""Tool-integrated rollouts: the turn format, the turn loop (real tokenizer, real sandbox), the
+HF decode path turn by turn (the bundled demo model), the GRPO rollout's masks, SFT targets
+from reasoning-gym items, and the config checks.
+
+The demo's character vocabulary has no backticks or letters, so its code block is a
+parenthesised expression (configs/tools_demo.yaml): "(12+30)" runs and "=42 " comes back.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from essa.config import EvaluationConfig, GenerationConfig, PythonToolConfig
+from essa.tools.sandbox import ToolResult
+from essa.tools.turns import (
+    ToolTally,
+    Transcript,
+    block_code,
+    block_end,
+    output_block,
+    run_turns,
+    with_echo,
+)
+from tests.conftest import requires
+
+needs_bwrap = requires("sandbox", None if shutil.which("bwrap") else "bwrap is not installed")
+
+TORL = PythonToolConfig(max_tool_calls=2, timeout_seconds=3.0)
+DEMO = PythonToolConfig(
+    max_tool_calls=1,
+    code_start="(",
+    code_end=")",
+    output_start="=",
+    output_end=" ",
+    answer_format="{answer}",
+    timeout_seconds=3.0,
+    allow_unisolated=shutil.which("bwrap") is None,
+)
+
+
+def ok(stdout: str) -> ToolResult:
+    return ToolResult(stdout, "", 0, False, False, None)
+
+
+# ------------------------------------------------------------------------------ the format
+
+
+def test_a_block_closes_only_after_it_opens() -> None:
+    text = "I will compute.\n```python\nx = 6 * 7\nx\n```\nmore"
+    assert block_code(text, TORL) == "x = 6 * 7\nx"
+    assert text[: block_end(text, TORL)].endswith("x\n```")
+    assert block_end("```python\nprint(1)", TORL) is None  # still open
+    assert block_end("plain ``` fence, no python block", TORL) is None
+
+
+def test_echo_shows_the_last_expression_and_leaves_statements() -> None:
+    assert with_echo("x = 2\nx * 21").splitlines()[-1] == "    print(repr(__value))"
+    assert with_echo("print(3)") == "print(3)"  # prints itself: shown once
+    assert with_echo("x = 1") == "x = 1"
+    assert with_echo("def (") == "def ("  # a syntax error stays for the sandbox to report
+
+
+def test_output_block_shows_stdout_or_the_error_line() -> None:
+    assert output_block(ok("42\n"), TORL) == "\n```output\n42\n```\n"
+    failed = ToolResult("", "Traceback...", 1, False, False, "exit status 1: NameError: y")
+    assert output_block(failed, TORL) == "\n```output\nexit status 1: NameError: y\n```\n"
+
+
+# --------------------------------------------------------------------------- the turn loop
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():  # type: ignore[no-untyped-def]
+    from essa.backends.models import load_model
+    from essa.config import ModelConfig
+
+    return load_model(ModelConfig())[1]
+
+
+def scripted(tokenizer, turns: dict[int, list[str]]):  # type: ignore[no-untyped-def]
+    """A generate_turn that writes row r's next scripted turn (its ids), recording its calls."""
+    calls: list[tuple[list[int], list[list[int]], bool]] = []
+
+    def generate(rows, contexts, may_call):  # type: ignore[no-untyped-def]
+        calls.append((list(rows), [list(c) for c in contexts], may_call))
+        out = []
+        for r in rows:
+            text = turns[r].pop(0)
+            out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return out
+
+    return generate, calls
+
+
+@needs_bwrap
+def test_turns_run_the_code_and_continue_the_calling_rows(demo_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    tok = demo_tokenizer
+    eos = tok.eos_token_id
+    prompts = [tok("12+30=", add_special_tokens=False)["input_ids"], tok("1+1=")["input_ids"]]
+    # row 0 calls and its first turn runs on past the block (a decode step late): cut there;
+    # row 1 answers at once.
+    generate, calls = scripted(tok, {0: ["(12+30)99", "42"], 1: ["2"]})
+    transcripts = run_turns(
+        prompts, generate, tok, replace(DEMO, allow_unisolated=False), None, [eos]
+    )
+    first, second = transcripts
+    assert [tok.decode(ids) for ids, _ in first.segments] == ["(12+30)", "=42 ", "42"]
+    assert [own for _, own in first.segments] == [True, False, True]
+    assert first.ends == ["code", "length"] and first.calls == 1 and first.errors == 0
+    assert second.ends == ["length"] and second.calls == 0  # no stop token: the cap
+    assert calls[0][2] is True and calls[1][2] is False  # the last allowed turn runs to its end
+    assert calls[1][0] == [0]  # only the calling row comes back
+    assert tok.decode(calls[1][1][0]) == "12+30=(12+30)=42 "  # its prompt, turn and output
+
+
+def test_a_stop_token_ends_the_row_and_the_call_budget_holds(demo_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    tok = demo_tokenizer
+    eos = tok.eos_token_id
+    ids = tok("(1+1)", add_special_tokens=False)["input_ids"]
+    seen: list[int] = []
+
+    def generate(rows, contexts, may_call):  # type: ignore[no-untyped-def]
+        seen.append(len(rows))
+        return [ids + [eos] for _ in rows]  # always writes a block
+
+    def execute(codes):  # type: ignore[no-untyped-def]
+        return [ok(str(eval(c.split("\n")[0].split("=", 1)[-1]))) for c in codes]
+
+    cfg = replace(DEMO, max_tool_calls=3, show_last_expression=False)
+    (t,) = run_turns([tok("5=")["input_ids"]], generate, tok, cfg, execute, [eos])
+    assert t.calls == 3 and t.ends == ["code", "code", "code", "stop"]
+    assert seen == [1, 1, 1, 1]
+    assert t.segments[-1][0][-1] == eos  # the final turn keeps its stop token
+
+
+def test_tally_counts_calls_errors_and_answers_the_tool_printed() -> None:
+    called = Transcript(results=[ok("42\n")])
+    failed = Transcript(results=[ToolResult("", "", 1, False, False, "exit status 1: E")])
+    tally = ToolTally()
+    tally.add([called, failed, Transcript()], ["42", "7", None])
+    assert tally.metrics() == {
+        "tool_calls_per_row": 2 / 3,
+        "tool_error_rate": 0.5,
+        "tool_rows": 2 / 3,
+        "tool_output_used": 1 / 3,
+    }
+
+
+# ----------------------------------------------------------------- the HF decode, turn by turn
+
+
+@pytest.fixture(scope="module")
+def demo():  # type: ignore[no-untyped-def]
+    from essa.adapters import SVDAdapter
+    from essa.backends.models import load_model
+    from essa.config import AdapterConfig, ModelConfig
+    from essa.gradient.sft import make_lora_model
+
+    model, tokenizer = load_model(ModelConfig())
+    peft_model = make_lora_model(model, AdapterConfig(rank=4, lora_alpha=8))
+    gen = torch.Generator().manual_seed(1)
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            param.data = torch.randn(param.shape, generator=gen) * 0.05
+    adapter = SVDAdapter.from_peft_model(peft_model, alpha=1.0)
+    return peft_model.unload(), tokenizer, adapter
+
+
+QUESTIONS = ["12+3=", "7+45=", "1+1=", "99+99=", "5+60=", "3+3=", "48+51=", "0+7="]
+
+
+def forced_block_model(model, tokenizer):  # type: ignore[no-untyped-def]
+    """The demo model steered into writing blocks (it never writes "(" or ")" itself): a
+    forward hook makes "(" the choice after "=" and ")" after a digit that follows "("."""
+    open_id, close_id = tokenizer.convert_tokens_to_ids("("), tokenizer.convert_tokens_to_ids(")")
+    equals = tokenizer.convert_tokens_to_ids("=")
+    digits = torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789")))
+
+    def hook(module, args, kwargs, output):  # type: ignore[no-untyped-def]
+        ids = kwargs.get("input_ids", args[0] if args else None)  # (B, T) this forward's
+        output.logits[ids[:, -1] == equals, -1, open_id] += 30.0
+        output.logits[torch.isin(ids[:, -1], digits), -1, close_id] += 30.0
+        return output
+
+    return model.register_forward_hook(hook, with_kwargs=True)
+
+
+@needs_bwrap
+@pytest.mark.parametrize("drop", [True, False])
+def test_each_turn_is_what_generate_writes_from_its_context(demo, monkeypatch, drop) -> None:  # type: ignore[no-untyped-def]
+    """Turn 1 is the plain decode cut where the block closes; turn 2 is the plain decode of
+    prompt + turn 1 + output block: the turn loop changes nothing but the context."""
+    from essa.backends import generate as hf
+    from essa.backends.generate import generate_texts
+    from essa.backends.tool_turns import generate_turns
+
+    model, tok, _ = demo
+    if not drop:
+        monkeypatch.setattr(hf, "supports_row_dropping", lambda model: False)
+    gen = GenerationConfig(max_new_tokens=8)
+    handle = forced_block_model(model, tok)
+    try:
+        ids = [tok(q, add_special_tokens=False)["input_ids"] for q in QUESTIONS]
+        texts, _, transcripts = generate_turns(
+            model, tok, ids, gen, replace(DEMO, allow_unisolated=False), micro_batch_size=3
+        )
+        plain_ids: list[list[int]] = []
+        generate_texts(model, tok, QUESTIONS, gen, micro_batch_size=3, out_ids=plain_ids)
+        calling = [i for i, t in enumerate(transcripts) if t.calls]
+        assert calling, "the forced '(' should open blocks"
+        for i, t in enumerate(transcripts):
+            first = t.segments[0][0]
+            assert plain_ids[i][: len(first)] == first
+        contexts = [
+            ids[i] + transcripts[i].segments[0][0] + transcripts[i].segments[1][0] for i in calling
+        ]
+        again: list[list[int]] = []
+        generate_texts(
+            model,
+            tok,
+            [""] * len(contexts),
+            gen,
+            micro_batch_size=3,
+            token_ids=contexts,
+            out_ids=again,
+        )
+        for i, want in zip(calling, again, strict=True):
+            assert transcripts[i].segments[2][0] == want[: len(transcripts[i].segments[2][0])]
+            assert len(transcripts[i].segments) == 3
+        for i, t in enumerate(transcripts):
+            assert texts[i] == tok.decode(t.ids, skip_special_tokens=True)
+    finally:
+        handle.remove()
+
+
+@needs_bwrap
+def test_the_population_evaluator_runs_tools_for_every_candidate(demo) -> None:  # type: ignore[no-untyped-def]
+    from essa.backends.evaluator import PopulationEvaluator
+
+    model, tok, adapter = demo
+    x = np.random.default_rng(0).normal(size=(3, adapter.dim)) * adapter.stds()
+    handle = forced_block_model(model, tok)
+    try:
+        gen = GenerationConfig(max_new_tokens=8)
+        with_tools = PopulationEvaluator(
+            model, tok, adapter, gen, EvaluationConfig(strategy="batched"),
+            replace(DEMO, allow_unisolated=False),
+        )  # fmt: skip
+        out = with_tools.completions(x, QUESTIONS)
+        metrics = with_tools.take_tool_metrics()
+        merged = PopulationEvaluator(
+            model, tok, adapter, gen, EvaluationConfig(strategy="merged"),
+            replace(DEMO, allow_unisolated=False),
+        )  # fmt: skip
+        assert merged.completions(x, QUESTIONS) == out  # both strategies: the same transcripts
+    finally:
+        handle.remove()
+    shown = [text for row in out for text in row if "=" in text]
+    assert shown and metrics["tool_calls_per_row"] > 0
+    assert metrics["tool_calls_per_row"] == metrics["tool_rows"]  # one call at most here
+    assert with_tools.take_tool_metrics()["tool_calls_per_row"] == 0.0  # a take resets
+
+
+# ---------------------------------------------------------------------------------- GRPO
+
+
+def test_grpo_rollout_masks_the_tool_output_out_of_the_loss(demo_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from essa.gradient.tool_rollout import assemble, void_turns
+
+    tok = demo_tokenizer
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    called = Transcript(
+        segments=[(enc("(1+2)"), True), (enc("=3 "), False), (enc("3") + [tok.eos_token_id], True)],
+        ends=["code", "stop"], turns=["(1+2)", "3"], results=[ok("3\n")],
+    )  # fmt: skip
+    plain = Transcript(segments=[(enc("12"), True)], ends=["length"], turns=["12"])
+    out = assemble([enc("1+2="), enc("5+7=")], [called, plain], tok)
+    assert out.mask[0].tolist() == [1, 1, 1, 1, 1, 0, 0, 0, 1, 1]
+    assert out.attention_mask[0, -10:].tolist() == [1] * 10  # the output is attended to
+    assert out.mask[1].tolist() == [1, 1] + [0] * 8
+    assert out.truncated.tolist() == [False, True]
+    assert out.texts == ["(1+2)=3 3", "12"]
+    # the truncated turn is void (neither a block nor an answer); a stated answer is not
+    assert void_turns([called, plain]).tolist() == [False, True]
+
+
+# ----------------------------------------------------------------------------- SFT targets
+
+
+@pytest.mark.parametrize(
+    "task", ["chain_sum", "products", "gcd", "lcm", "count_bits", "letter_counting"]
+)
+def test_sft_code_targets_compute_the_reference_answer(task: str) -> None:
+    """On real reasoning-gym items the solver's value is the task's own answer wherever it
+    applies (integer tasks: on nearly every item)."""
+    pytest.importorskip("reasoning_gym")
+    from essa.data.gym import gym_examples
+    from essa.data.tool_sft import solve, with_tool_targets
+
+    examples = gym_examples(task)[:200]
+    made = [solve(ex.prompt) for ex in examples]
+    solved = [(m, ex) for m, ex in zip(made, examples, strict=True) if m is not None]
+    agree = sum(m[1] == ex.answer for m, ex in solved)
+    assert len(solved) >= 0.9 * len(examples) and agree >= 0.9 * len(solved), (len(solved), agree)
+    with_code, count = with_tool_targets(examples, TORL, "The answer is {answer}.")
+    assert count == agree
+    target = next(ex.target for ex in with_code if ex.solution is not None)
+    assert target.startswith("```python\n") and "\n```\n```output\n" in target
+    assert target.endswith(f"The answer is {next(ex for ex in with_code if ex.solution).answer}.")
+
+
+@needs_bwrap
+def test_sft_code_prints_its_value_in_the_sandbox() -> None:
+    pytest.importorskip("reasoning_gym")
+    from essa.data.gym import gym_examples
+    from essa.data.tool_sft import solve
+    from essa.tools.sandbox import run_python_batch
+
+    found = [
+        solve(gym_examples(task)[0].prompt)
+        for task in ("chain_sum", "gcd", "count_bits", "letter_counting")
+    ]
+    codes = [with_echo(code) for code, _ in found if code]
+    results = run_python_batch(codes, TORL, "bwrap")
+    assert [r.stdout.strip() for r in results] == [value for _, value in found]
+
+
+# --------------------------------------------------------------------------- config checks
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["backend=vllm"], "backend vllm cannot stop a row for a tool call"),
+        (["algorithm=dpo"], "algorithm dpo generates no rollouts with tools"),
+        (["tools.python.drop_void_turns=true"], "SimpleTIR's filter drops trajectories"),
+        (["tools.python.code_end=''"], "tools.python.code_end: must not be empty"),
+        (["tools.python.answer_format=done"], "needs one {answer} field"),
+    ],
+)
+def test_tool_settings_that_cannot_run_are_refused(sets: list[str], message: str) -> None:
+    from essa.config import load_config
+    from essa.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("{", r"\{").replace("}", r"\}")):
+        load_config(None, ["tools.python.max_tool_calls=1", *sets])
+    with pytest.raises(ConfigError, match="needs tool calls"):
+        load_config(None, ["tools.python.drop_void_turns=true"])
+
+
+# ------------------------------------------------------------------------------- end to end
+
+
+@needs_bwrap
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["essa", "grpo"])
+def test_train_with_tools_end_to_end(tmp_path: Path, algorithm: str) -> None:
+    import json
+
+    from tests.cli_runner import essa
+
+    sets = ["run.generations=2", "evaluation.every=1", "data.test_size=32", "sft.steps=4"]
+    if algorithm == "grpo":
+        sets += ["algorithm=grpo", "grpo.prompts_per_step=4", "grpo.group_size=4",
+                 "tools.python.drop_void_turns=true", "reward.reference_weight=0"]  # fmt: skip
+    args = [arg for s in sets for arg in ("--set", s)]
+    res = essa("train", "configs/tools_demo.yaml", *args, "--run-dir", str(tmp_path / "run"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("generation", -1) >= 0 and "tool_calls_per_row" in r]
+    assert len(steps) == 2
+    assert all("heldout_tool_calls_per_row" in r for r in steps)
+    if algorithm == "grpo":
+        assert all("void_trajectories" in r for r in steps if not r.get("skipped"))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert set(summary["tools"]) == {
+        "tool_calls_per_row",
+        "tool_error_rate",
+        "tool_rows",
+        "tool_output_used",
+    }
