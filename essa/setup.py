@@ -37,6 +37,11 @@ def resolve_lengths(
     from essa.es.plan import resolve_lengths as resolve
 
     examples = (task.sft + task.train)[:512]
+    t = cfg.tools.python
+    if t.max_tool_calls and t.sft_with_code:  # a turn may write a whole code-call target
+        from essa.data.tool_sft import with_tool_targets
+
+        examples, _ = with_tool_targets(examples, t, t.answer_format)
     prompts = render_prompts(examples, cfg.data.template, tokenizer, cfg.data.system_prompt)
     gen, lengths, warning = resolve(cfg.generation, tokenizer, prompts, reference_texts(examples))
     if warning:
