@@ -385,3 +385,31 @@ def test_train_with_tools_end_to_end(tmp_path: Path, algorithm: str) -> None:
         "tool_rows",
         "tool_output_used",
     }
+
+
+def test_rows_that_wrote_the_same_code_share_one_run(demo_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    tok = demo_tokenizer
+    eos = tok.eos_token_id
+    texts = {0: ["(1+1)", "2"], 1: ["(1+1)", "2"], 2: ["(2+2)", "4"]}
+    generate, _ = scripted(tok, texts)
+    ran: list[list[str]] = []
+
+    def execute(codes):  # type: ignore[no-untyped-def]
+        ran.append(list(codes))
+        return [ok(str(eval(c.split("\n")[0].split("=", 1)[-1]))) for c in codes]
+
+    prompts = [tok("1+1=")["input_ids"]] * 2 + [tok("2+2=")["input_ids"]]
+    cfg = replace(DEMO, show_last_expression=False)
+    out = run_turns(prompts, generate, tok, cfg, execute, [eos])
+    assert ran == [["1+1", "2+2"]]
+    assert [tok.decode(t.segments[1][0]) for t in out] == ["=2 ", "=2 ", "=4 "]
+
+
+def test_tool_references_are_the_code_call_targets() -> None:
+    from essa.data.tool_sft import tool_references
+    from essa.types import Example
+
+    examples = [Example("12+30=", "42"), Example("spell cat backwards", "tac")]
+    refs = tool_references(examples, TORL)
+    assert refs[0] == "```python\n12+30\n```\n```output\n42\n```\nThe answer is 42."
+    assert refs[1] == "tac"  # no solver reads it: the answer, as without tools

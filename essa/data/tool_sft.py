@@ -146,3 +146,14 @@ def with_tool_targets(
         out.append(replace(ex, solution=tool_target(code, value, line, cfg)))
         made += 1
     return out, made
+
+
+def tool_references(examples: Sequence[Example], cfg: PythonToolConfig) -> list[str | None]:
+    """Per example, the reference a tool-using rollout is scored against (ESSA's
+    ``reward.reference_weight`` tie-breaker): its code-call target where a solver reads the
+    question, else its answer (what the tie-breaker takes without tools)."""
+    made, _ = with_tool_targets(examples, cfg, cfg.answer_format)
+    return [
+        m.target if m.solution != ex.solution else ex.answer
+        for m, ex in zip(made, examples, strict=True)
+    ]

@@ -222,11 +222,14 @@ def shard_fitness(
     comm: Comm,
     rows: Callable[[int], Phase] | None = None,
     informative: Informative | None = None,
+    references: Sequence[str | None] | None = None,
 ) -> tuple[Fitness, dict[str, float]]:
     """Evaluate this rank's shard on generation g's shared prompts; all-gather the fitness.
 
     With ``informative`` (data.selection / data.hints) the shared prompts skip the predicted
     uninformative ones and carry hints; every candidate still answers the same prompts.
+    ``references`` (one per ``train`` item) replace the answers as the tie-breaker's reference
+    (tool-integrated rollouts score their code-call target, essa.data.tool_sft).
     """
     from essa.dist import shard
     from essa.rewards import fitness_from_rewards
@@ -247,7 +250,7 @@ def shard_fitness(
     extra: dict[str, Any] = {}
     if weight:
         assert isinstance(evaluator, ReferenceForcingEvaluator)
-        extra["references"] = answers
+        extra["references"] = answers if references is None else [references[i] for i in idx]
     if rows is None:
         texts = evaluator.completions(mine, prompts, seed=seed, samples=k, **extra)
     else:

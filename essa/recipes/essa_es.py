@@ -126,6 +126,7 @@ def run(
                 cfg.optimizer, cfg.run.seed, adapter, state.get("scale_baseline")
             )
         rows = cfg.optimizer.population_size * cfg.generation.samples_per_prompt
+        references = _tool_references(cfg, task.train)
         informative = informative_prompts(
             cfg.data, cfg.run.seed, rows, tokenizer, state.get("informative")
         )
@@ -148,6 +149,7 @@ def run(
                 h.comm,
                 step.progress,
                 informative,
+                references,
             )
             if informative is not None:
                 state["informative"] = informative.state_dict()
@@ -205,6 +207,7 @@ def _generation(
     comm: Comm,
     rows: Callable[[int], Phase] | None = None,
     informative: Informative | None = None,
+    references: list[str | None] | None = None,
 ) -> tuple[dict[str, Any], Population, Fitness]:
     """One ask / evaluate / tell on every rank: the metrics record, population (P, D), fitness (P,)."""
     from essa.dist import check_replicas
@@ -216,8 +219,9 @@ def _generation(
     population = opt.ask()  # (P, D), identical on every rank
     settings = FitnessSettings.of(cfg.run, cfg.data, cfg.generation, cfg.reward)
     fitness, pool = shard_fitness(
-        settings, g, population, evaluator, problems, prompts, reward, comm, rows, informative
-    )
+        settings, g, population, evaluator, problems, prompts, reward, comm, rows, informative,
+        references,
+    )  # fmt: skip
     faults = fault_delta(faults_before, fault_counts(reward, evaluator))
     check_generation(g, fitness, faults, reward.name)
     opt_metrics = tell(cfg.optimizer, opt, population, fitness, pool)
@@ -232,6 +236,18 @@ def _generation(
     if informative is not None:  # prompts_skipped, rows_saved, prompts_hinted, ...
         record.update(informative.end_step())
     return record, population, fitness
+
+
+def _tool_references(cfg: Config, train: list[Example]) -> list[str | None] | None:
+    """With tool calls and the tie-breaker, each training item's code-call target as its
+    reference (a tool-using model is not expected to write the bare answer after the prompt);
+    None: the answers, as without tools."""
+    t = cfg.tools.python
+    if not (t.max_tool_calls and t.sft_with_code and cfg.reward.reference_weight):
+        return None
+    from essa.data.tool_sft import tool_references
+
+    return tool_references(train, t)
 
 
 def _initial_state(

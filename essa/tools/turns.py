@@ -165,7 +165,7 @@ def run_turns(
                 calling.append(row)
                 code = block_code(text, cfg) or ""
                 codes.append(with_echo(code) if cfg.show_last_expression else code)
-        results = execute(codes) if codes else []
+        results = _run_once_each(codes, execute)
         for row, result in zip(calling, results, strict=True):
             block = tokenizer(output_block(result, cfg), add_special_tokens=False)["input_ids"]
             transcripts[row].segments.append((list(block), False))
@@ -173,6 +173,16 @@ def run_turns(
             contexts[row].extend(block)
         active = calling
     return transcripts
+
+
+def _run_once_each(codes: list[str], execute: Execute) -> list[ToolResult]:
+    """``execute`` on each distinct snippet once, its result shared by every row that wrote it:
+    a population's candidates mostly write the same code for a prompt (16 rows, one run).
+    Code that reads the clock or draws random numbers would differ between runs; rows that
+    share it share one run."""
+    unique = list(dict.fromkeys(codes))
+    results = dict(zip(unique, execute(unique) if unique else [], strict=True))
+    return [results[code] for code in codes]
 
 
 def _cut_turn(
