@@ -82,6 +82,7 @@ STUDIES: list[tuple[str, list[str]]] = [
     ("signal", ["--seeds", "0", "1", "2"]),  # informative prompts and process rewards
     ("grpo_options", ["--seeds", "0", "1", "2"]),  # the gradient backend's options vs plain GRPO
     ("label_free", ["--seeds", "0", "1", "2"]),  # TTRL's vote and RLSC vs labels
+    ("tools", ["--seeds", "0", "1", "2"]),  # text-only vs tool-integrated ESSA, and GRPO
     ("mutation", ["--per-module", "5", "--seed", "0"]),  # do the tests catch injected bugs
 ]
 # Modules that serve the benchmarks rather than measure: run by them, or by hand before them.

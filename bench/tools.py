@@ -1,0 +1,157 @@
+"""Tool-integrated reasoning on a real model: text-only ESSA, tool-integrated ESSA and GRPO.
+
+    python -m bench.tools [--seeds 0 1 2] [--tasks products count_bits] [--budget 600]
+                          [--no-grpo] [--set k=v] [--reuse]
+
+Per reasoning-gym task (where exact computation helps a 135M model) and seed, from
+``configs/smollm2.yaml`` with only the task swapped in, each in a fresh process:
+
+* **text ESSA**: the shipped config as it is (template chat, text-only rollouts);
+* **tool ESSA**: the same with ``tools.python.max_tool_calls: 1`` and template
+  ``python_tool``: the SFT stage trains on code-call targets (essa.data.tool_sft), the
+  population's rollouts and every held-out pass may run one Python block;
+* **tool GRPO**: ``algorithm: grpo`` from the tool ESSA run's own SFT adapter, with tools, the
+  same ``run.max_wall_seconds`` as the ESSA arms (it skips the SFT stage they pay for).
+
+Every arm gets ``--budget`` seconds (``run.max_wall_seconds``; the final evaluation comes on
+top). Reported per arm: held-out accuracy of its SFT start and of its final adapter on the same
+items (paired SE), tool calls per item, the tool error rate and the share of items whose final
+answer a tool run printed (the final held-out pass's ``tools`` in summary.json).
+
+Writes bench/results/tools.json and tools.md (the table in docs/results.md).
+Everything the runs print goes to <root>/<task>/*.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.common import write_result
+from bench.real_model import (
+    RESULTS,
+    essa_seed,
+    grpo_seed,
+    paired,
+    pooled,
+    task_config,
+)
+
+TASKS: dict[str, dict[str, Any]] = {
+    "products": {"min_digits": 2, "max_digits": 2},  # two 2-digit factors
+    "count_bits": {"min_n": 1, "max_n": 1_000_000},  # 1 bits of a number up to 10^6
+}
+TOOLS = ["tools.python.max_tool_calls=1", "data.template=python_tool"]
+ARMS = ("text ESSA", "tool ESSA", "tool GRPO")
+
+
+def arm_record(arm: str, run: dict[str, Any]) -> dict[str, Any]:
+    """What the table reads of one run: accuracies, the paired gain over SFT, tool use."""
+    summary = run["summary"]
+    gain = run.get("essa_vs_sft") or run.get("grpo_vs_sft")
+    return {
+        "arm": arm,
+        "seed": run["seed"],
+        "sft": run["accuracy"]["sft"],
+        "final": run["accuracy"]["final"],
+        "vs_sft": gain,
+        "steps": summary["generations"],
+        "wall_seconds": summary["wall_seconds"],
+        "tools": summary.get("tools"),
+    }
+
+
+def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
+    root = Path(args.root) / task
+    config = task_config(task, TASKS[task], root)
+    budget = [f"run.max_wall_seconds={args.budget}", *args.overrides]
+    arms: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+    for seed in args.seeds:
+        print(f"[tools] {task} seed {seed}: text ESSA ...", flush=True)
+        text = essa_seed(config, seed, root, budget, args.threads, args.reuse, name="text")
+        arms["text ESSA"].append(arm_record("text ESSA", text))
+        print(f"[tools] {task} seed {seed}: tool ESSA ...", flush=True)
+        tool = essa_seed(config, seed, root, [*TOOLS, *budget], args.threads, args.reuse, "tool")
+        arms["tool ESSA"].append(arm_record("tool ESSA", tool))
+        if args.grpo:
+            print(f"[tools] {task} seed {seed}: tool GRPO ...", flush=True)
+            # grpo_seed gives GRPO the ESSA run's wall-clock; the same budget is fairer here.
+            tool["summary"] = {**tool["summary"], "wall_seconds": args.budget}
+            grpo = grpo_seed(config, tool, root, [*TOOLS, *budget], args.threads, args.reuse)
+            arms["tool GRPO"].append(arm_record("tool GRPO", grpo))
+        record = arms["tool ESSA"][-1]
+        print(f"[tools] {task} seed {seed}: text {arms['text ESSA'][-1]['final']:.3f}, tool "
+              f"ESSA {record['final']:.3f} (SFT {record['sft']:.3f})", flush=True)  # fmt: skip
+    return {
+        "params": TASKS[task],
+        "arms": {arm: runs for arm, runs in arms.items() if runs},
+        "pooled": {
+            arm: pooled([{"g": r["vs_sft"]} for r in runs], "g")
+            for arm, runs in arms.items()
+            if runs
+        },
+        "tool_vs_text": [paired_finals(root, "tool", "text", seed) for seed in args.seeds],
+    }
+
+
+def paired_finals(root: Path, a: str, b: str, seed: int) -> dict[str, float]:
+    """Final held-out scores of run ``a`` against run ``b`` on the same items (paired)."""
+    from bench.real_model import passes
+
+    return paired(
+        passes(root / f"{a}-seed{seed}")["final"], passes(root / f"{b}-seed{seed}")["final"]
+    )
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = [
+        "| task | arm | seeds | SFT | final | final - SFT (SE) | tool calls / item | tool errors | "
+        "answer printed by a tool |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for task, t in result["tasks"].items():
+        for arm, runs in t["arms"].items():
+            p = t["pooled"][arm]
+            tools = [r["tools"] for r in runs if r["tools"]]
+
+            def mean(key: str, tools: list[dict[str, float]] = tools) -> str:
+                return f"{statistics.mean(x[key] for x in tools):.2f}" if tools else "-"
+
+            rows.append(
+                f"| {task} | {arm} | {len(runs)} | {statistics.mean(r['sft'] for r in runs):.3f} | "
+                f"{statistics.mean(r['final'] for r in runs):.3f} | {p['gain']:+.3f} ({p['se']:.3f}) | "
+                f"{mean('tool_calls_per_row')} | {mean('tool_error_rate')} | {mean('tool_output_used')} |"
+            )
+    return "\n".join(rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--budget", type=int, default=600, help="run.max_wall_seconds per arm")
+    parser.add_argument("--no-grpo", dest="grpo", action="store_false")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reuse", action="store_true", help="keep finished runs under --root")
+    parser.add_argument("--root", default="runs/bench-tools")
+    parser.add_argument("--out", default="tools", help="write bench/results/OUT.json and OUT.md")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    result: dict[str, Any] = {"budget": args.budget, "overrides": args.overrides, "tasks": {}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for task in args.tasks:
+        result["tasks"][task] = run_task(task, args)
+    write_result(args.out, result, ("python -m bench.tools " + " ".join(sys.argv[1:])).strip())
+    (RESULTS / f"{args.out}.md").write_text(table(result) + "\n")
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
