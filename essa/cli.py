@@ -436,14 +436,23 @@ def _sample_metrics(
     # One completion per problem is greedy, as the held-out score during training; K samples
     # use generation.temperature.
     gen = cfg.generation if k > 1 else replace(cfg.generation, temperature=0.0)
-    texts, _ = generate_texts(
-        model,
-        tokenizer,
-        rows,
-        gen,
-        micro_batch_size=cfg.evaluation.micro_batch_size,
-        seed=cfg.run.seed,
-    )
+    if cfg.tools.python.max_tool_calls:  # the rollouts' tool calls, as training scores them
+        from essa.backends.tool_turns import generate_turns
+
+        ids = tokenizer(rows, add_special_tokens=False)["input_ids"]
+        texts, _, _ = generate_turns(
+            model, tokenizer, ids, gen, cfg.tools.python,
+            micro_batch_size=cfg.evaluation.micro_batch_size, seed=cfg.run.seed,
+        )  # fmt: skip
+    else:
+        texts, _ = generate_texts(
+            model,
+            tokenizer,
+            rows,
+            gen,
+            micro_batch_size=cfg.evaluation.micro_batch_size,
+            seed=cfg.run.seed,
+        )
     answers = [e.answer for e in examples for _ in range(k)]
     scores = reward(texts, answers, rows)
     # pass@k and maj@k count full credit only: a graded metric (gym_score's partial credit)
