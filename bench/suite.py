@@ -83,6 +83,7 @@ STUDIES: list[tuple[str, list[str]]] = [
     ("grpo_options", ["--seeds", "0", "1", "2"]),  # the gradient backend's options vs plain GRPO
     ("label_free", ["--seeds", "0", "1", "2"]),  # TTRL's vote and RLSC vs labels
     ("tools", ["--seeds", "0", "1", "2"]),  # text-only vs tool-integrated ESSA, and GRPO
+    ("drift_budget", ["--seeds", "0", "1", "2"]),  # the search's drift budget on and off
     ("mutation", ["--per-module", "5", "--seed", "0"]),  # do the tests catch injected bugs
 ]
 # Modules that serve the benchmarks rather than measure: run by them, or by hand before them.

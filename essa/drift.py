@@ -140,11 +140,11 @@ class PopulationModels:
     def log_softmax(self, chunk: Sequence[Pair]) -> dict[str, torch.Tensor]:
         from essa.adapters import PopulationLoRA, candidate_rows
 
-        base = _tail(self.model, chunk, self.tokenizer.pad_token_id)
+        base = tail_logp(self.model, chunk, self.tokenizer.pad_token_id)
         with PopulationLoRA(self.model, self.adapter) as pop:
             pop.set_population(self._population())
             pop.set_rows(candidate_rows(2, len(chunk)))
-            both = _tail(self.model, list(chunk) * 2, self.tokenizer.pad_token_id)
+            both = tail_logp(self.model, list(chunk) * 2, self.tokenizer.pad_token_id)
         n = len(chunk)
         return {"base": base, "sft": both[:n], "tuned": both[n:]}
 
@@ -221,7 +221,7 @@ class PeftModels:
         out = {}
         for name in self.names:
             with self._context(name)():  # type: ignore[misc]
-                out[name] = _tail(self.inner, chunk, self.tokenizer.pad_token_id)
+                out[name] = tail_logp(self.inner, chunk, self.tokenizer.pad_token_id)
         return out
 
     def generate(
@@ -251,7 +251,9 @@ Models = PopulationModels | PeftModels
 
 
 @torch.no_grad()
-def _tail(model: Any, chunk: Sequence[Pair], pad_id: int) -> torch.Tensor:
+def tail_logp(model: Any, chunk: Sequence[Pair], pad_id: int) -> torch.Tensor:
+    """(B, tail, V) next-token log-probs of ``model`` at the last ``max |c| + 1`` columns of
+    the left-padded pairs (:func:`essa.backends.teacher.tail_log_softmax`), on the CPU."""
     import inspect
 
     from essa.backends.models import model_device

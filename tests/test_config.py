@@ -162,7 +162,7 @@ def test_cli_validate_shipped_and_bad(tmp_path: Path) -> None:
     assert res.stderr.strip() == (
         f"error: {bad}:2: optimizer.popsize: unknown key (known: name, population_size, sigma0, "
         "use_relative_steps, variant, sep_above_dim, mirrored, escape_flat_reward, start, lr, step, "
-        "layerwise)"
+        "layerwise, drift_budget)"
     )
 
 

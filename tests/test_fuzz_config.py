@@ -281,6 +281,11 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "tools.python.max_output_chars": AT_LEAST_1,
     "tools.python.max_concurrent": AT_LEAST_1,
     "tools.python.max_tool_calls": NONNEG,
+    "optimizer.drift_budget.kl_penalty": NONNEG,
+    "optimizer.drift_budget.kl_budget": POSITIVE,
+    "optimizer.drift_budget.prompts": AT_LEAST_1,
+    "optimizer.drift_budget.tokens": AT_LEAST_1,
+    "optimizer.drift_budget.anchor": NONNEG,
 }  # fmt: skip
 UNBOUNDED = {"grpo.replay.min_reward"}  # a reward threshold: any real number is meaningful
 

@@ -520,3 +520,24 @@ def test_sigint_to_one_rank_stops_every_rank_and_resumes_exactly(tmp_path: Path)
     assert [r["generation"] for r in generations(run_dir)] == list(range(-1, 6))
     assert_same_adapter(run_dir, ref)
     assert trajectory(run_dir) == trajectory(ref)
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_two_ranks_price_drift_as_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """optimizer.drift_budget under MPI: each rank computes its own candidates' anchor-set KL
+    and gathers the rest, so the shaped fitness is the single process's."""
+    priced = ["run.generations=2", "optimizer.drift_budget.kl_penalty=2",
+              "optimizer.drift_budget.anchor=0.5"]  # fmt: skip
+    runs = {}
+    for ranks in (0, 2):
+        runs[ranks] = tmp_path / f"ranks{ranks}"
+        train(ranks, "--run-dir", str(runs[ranks]), sets=small(tiny_model_dir, *priced))
+    one, two = trajectory(runs[0])[1:], trajectory(runs[2])[1:]
+    assert [r["anchor_kl_mean"] for r in one] == pytest.approx(
+        [r["anchor_kl_mean"] for r in two], rel=1e-6
+    )
+    assert all(r["anchor_kl_mean"] > 0 for r in one)
+    assert [r["sigma"] for r in one] == [r["sigma"] for r in two]
+    a, b = adapter(runs[0]), adapter(runs[2])  # the same ranking told: the same mean
+    assert all(np.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)

@@ -24,7 +24,7 @@ from essa.config.backend import (
 )
 from essa.config.data import DataConfig, HintConfig, RewardConfig, SelectionConfig
 from essa.config.errors import ConfigError
-from essa.config.es import LayerwiseConfig, OptimizerConfig
+from essa.config.es import DriftBudgetConfig, LayerwiseConfig, OptimizerConfig
 from essa.config.evaluation import HELDOUT_METRICS, DriftConfig, EvaluationConfig
 from essa.config.gradient import (
     CureConfig,
@@ -70,6 +70,7 @@ __all__ = [
     "GenerationConfig",
     "HintConfig",
     "LayerwiseConfig",
+    "DriftBudgetConfig",
     "LisaConfig",
     "ModelConfig",
     "OptimizerConfig",

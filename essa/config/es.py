@@ -19,6 +19,26 @@ class LayerwiseConfig:
 
 
 @dataclass(frozen=True)
+class DriftBudgetConfig:
+    """What the search may change off-task (docs/drift.md, "A drift budget in the search")."""
+
+    # fitness -= kl_penalty * KL(base || candidate), mean per token on the anchor set
+    kl_penalty: float = 0.0
+    # A candidate whose anchor-set KL(base || candidate) exceeds it ranks below every candidate
+    # within it (those over it by their KL); None: no constraint.
+    kl_budget: float | None = None
+    prompts: int = 8  # the anchor set: the first off-task prompts of essa.drift.offtask_prompts
+    tokens: int = 16  # the base model's greedy continuation of each, teacher-forced
+    # fitness -= anchor * mean_i ((x_i - x_SFT,i) / s_i)^2: weight decay toward the SFT adapter
+    # in the searched coordinates (s_i: the SFT singular value), the ES form of an anchor.
+    anchor: float = 0.0
+
+    @property
+    def uses_kl(self) -> bool:
+        return bool(self.kl_penalty) or self.kl_budget is not None
+
+
+@dataclass(frozen=True)
 class OptimizerConfig:
     name: Literal["cma_es", "openai_es"] = "cma_es"
     population_size: int = 16  # lambda; the paper's default is 96
@@ -40,6 +60,7 @@ class OptimizerConfig:
     lr: float = 0.1  # openai_es step size
     step: Literal["adam", "sgd"] = "adam"  # openai_es step rule
     layerwise: LayerwiseConfig = field(default_factory=LayerwiseConfig)
+    drift_budget: DriftBudgetConfig = field(default_factory=DriftBudgetConfig)
 
 
 def check_optimizer(o: OptimizerConfig) -> None:
@@ -76,3 +97,14 @@ def check_layerwise(w: LayerwiseConfig) -> None:
     for key, value in checks.items():
         if value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
+
+
+def check_drift_budget(d: DriftBudgetConfig) -> None:
+    for key, value in (("kl_penalty", d.kl_penalty), ("anchor", d.anchor)):
+        if value < 0:
+            raise ConfigError(f"optimizer.drift_budget.{key}: must be >= 0, got {value}")
+    if d.kl_budget is not None and not d.kl_budget > 0:
+        raise ConfigError(f"optimizer.drift_budget.kl_budget: must be > 0, got {d.kl_budget}")
+    for key, value in (("prompts", d.prompts), ("tokens", d.tokens)):
+        if value < 1:
+            raise ConfigError(f"optimizer.drift_budget.{key}: must be >= 1, got {value}")

@@ -20,7 +20,13 @@ from essa.config.backend import (
 )
 from essa.config.data import DataConfig, RewardConfig, check_data, check_reward
 from essa.config.errors import ConfigError
-from essa.config.es import OptimizerConfig, check_layerwise, check_optimizer
+from essa.config.es import (
+    DriftBudgetConfig,
+    OptimizerConfig,
+    check_drift_budget,
+    check_layerwise,
+    check_optimizer,
+)
 from essa.config.evaluation import EvaluationConfig, check_evaluation
 from essa.config.gradient import (
     DPOConfig,
@@ -72,6 +78,7 @@ def check_values(cfg: Config) -> None:
     check_dpo(cfg.dpo)
     check_scalebio(cfg.scalebio)
     check_layerwise(cfg.optimizer.layerwise)
+    check_drift_budget(cfg.optimizer.drift_budget)
     check_vllm_ranges(cfg.vllm)
     check_tools(cfg.tools)
     _check_reference_weight(cfg)
@@ -92,6 +99,24 @@ def check_values(cfg: Config) -> None:
     _check_scalebio(cfg)
     _check_vllm(cfg)
     _check_tool_rollouts(cfg)
+    _check_drift_budget(cfg)
+
+
+def _check_drift_budget(cfg: Config) -> None:
+    """The drift budget shapes ESSA's fitness; its KL terms need the base model in process."""
+    d = cfg.optimizer.drift_budget
+    if d == DriftBudgetConfig():
+        return
+    if cfg.algorithm != "essa":
+        raise ConfigError(
+            f"optimizer.drift_budget: shapes ESSA's fitness; algorithm {cfg.algorithm} has its "
+            "own regulariser (grpo.beta: the KL to the reference policy)"
+        )
+    if d.uses_kl and cfg.backend == "vllm":
+        raise ConfigError(
+            "optimizer.drift_budget: kl_penalty and kl_budget teacher-force the anchor set in "
+            "the HF model; use backend: hf (anchor alone works with vllm)"
+        )
 
 
 def _check_tool_rollouts(cfg: Config) -> None:

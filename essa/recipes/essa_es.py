@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from essa.adapters.svd import SVDAdapter
     from essa.data.selection import Informative
     from essa.data.task import Task
+    from essa.es.drift_budget import DriftBudget
 
 Heldout = Callable[..., float]  # (vector, name=..., generation=..., final=...) -> score
 
@@ -79,6 +80,7 @@ def run(
     from essa.data.task import render_splits
     from essa.drift import adapter_pass_figures, adapter_report
     from essa.es import checkpoint
+    from essa.es.drift_budget import drift_budget
     from essa.es.optimizer import check_searchable, search_optimizer, start_note
     from essa.rewards.loading import check_vote_size, es_reward_inputs, load_reward
 
@@ -109,6 +111,12 @@ def run(
         heldout = functools.partial(_heldout, h, evaluator, task.test, test_prompts)
         drift = functools.partial(adapter_report, cfg, h, base, tokenizer, adapter, task.test)
         pass_drift = functools.partial(adapter_pass_figures, cfg, base, tokenizer, adapter)
+        search_drift = drift_budget(  # None: optimizer.drift_budget is off
+            cfg.optimizer.drift_budget, cfg.data, cfg.evaluation.micro_batch_size,
+            base, tokenizer, adapter,
+        )  # fmt: skip
+        if search_drift is not None:
+            h.say(search_drift.describe())
         # A resumed run's optimizer has the population its plan gave it (plan.json).
         planned = setup.apply_plan(cfg, budget.adopt(h, None))
         build = functools.partial(search_optimizer, planned.optimizer, cfg.run.seed, adapter)
@@ -150,6 +158,7 @@ def run(
                 step.progress,
                 informative,
                 references,
+                search_drift,
             )
             if informative is not None:
                 state["informative"] = informative.state_dict()
@@ -208,6 +217,7 @@ def _generation(
     rows: Callable[[int], Phase] | None = None,
     informative: Informative | None = None,
     references: list[str | None] | None = None,
+    search_drift: DriftBudget | None = None,
 ) -> tuple[dict[str, Any], Population, Fitness]:
     """One ask / evaluate / tell on every rank: the metrics record, population (P, D), fitness (P,)."""
     from essa.dist import check_replicas
@@ -224,6 +234,9 @@ def _generation(
     )  # fmt: skip
     faults = fault_delta(faults_before, fault_counts(reward, evaluator))
     check_generation(g, fitness, faults, reward.name)
+    if search_drift is not None:  # optimizer.drift_budget: KL penalty, budget, anchor
+        fitness, shaped = search_drift.apply(population, fitness, comm)
+        pool = {**pool, **shaped}
     opt_metrics = tell(cfg.optimizer, opt, population, fitness, pool)
     check_replicas(comm, opt, g)  # every rank must now hold the same state
     tokens = evaluator.stats.new_tokens - tokens_before
