@@ -477,12 +477,54 @@ def grpo_cells(t: dict[str, Any]) -> tuple[str, str]:
     return grpo, f"{e_mem:.0f} / {g_mem:.0f} MB ({e_mem / g_mem:.2f}x)"
 
 
+def kl_ratio(pairs: list[tuple[float, float]]) -> dict[str, float]:
+    """mean(a) / mean(b) over paired per-prompt values and its delta-method standard error,
+    sqrt(var(a - R b) / n) / mean(b).
+
+    >>> kl_ratio([(1.0, 2.0), (2.0, 4.0)])
+    {'ratio': 0.5, 'se': 0.0, 'n': 2}
+    """
+    a, b = [x for x, _ in pairs], [y for _, y in pairs]
+    ratio = statistics.mean(a) / statistics.mean(b)
+    resid = [x - ratio * y for x, y in pairs]
+    se = statistics.stdev(resid) / math.sqrt(len(pairs)) / statistics.mean(b)
+    return {"ratio": ratio, "se": se, "n": len(pairs)}
+
+
+def drift_cells(t: dict[str, Any]) -> tuple[str, str]:
+    """The table's drift cells, on the GRPO seeds: off-task KL(base || tuned) of ESSA and of
+    GRPO with their ratio (per-prompt pairs pooled over seeds, delta-method SE), and retention's
+    change from the SFT adapter for each; "-" where a record has no drift report."""
+    if "grpo" not in t:
+        return "-", "-"
+    essa_by_seed = {r.get("seed"): r for r in t["essa"]}
+    pairs, kl, kept = [], {"essa": [], "grpo": []}, {"essa": [], "grpo": []}
+    for g in t.get("grpo_runs", [t["grpo"]]):
+        reports = {"essa": essa_by_seed[g.get("seed")]["summary"].get("drift") or {},
+                   "grpo": g["summary"].get("drift") or {}}  # fmt: skip
+        if not all("kl_per_prompt" in r for r in reports.values()):
+            return "-", "-"
+        e, q = (reports[k]["kl_per_prompt"]["kl_base"] for k in ("essa", "grpo"))
+        pairs.extend(zip(e, q, strict=True))
+        for k, r in reports.items():
+            kl[k].append(r["kl_base"])
+            if "change_from_sft" in r.get("retention", {}):
+                kept[k].append(r["retention"]["change_from_sft"])
+    r = kl_ratio(pairs)
+    kl_cell = (f"{statistics.mean(kl['essa']):.4f} / {statistics.mean(kl['grpo']):.4f} "
+               f"({r['ratio']:.2f}x ± {r['se']:.2f})")  # fmt: skip
+    if not (kept["essa"] and kept["grpo"]):
+        return kl_cell, "-"
+    return kl_cell, f"{statistics.mean(kept['essa']):+.3f} / {statistics.mean(kept['grpo']):+.3f}"
+
+
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| task | base | SFT | scale baseline | ESSA | ESSA - SFT (paired SE) | gain / SE "
         "| per seed z | full credit: SFT -> ESSA (paired SE) | run s (median) "
-        "| GRPO at equal wall-clock | peak RSS ESSA / GRPO |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| GRPO at equal wall-clock | peak RSS ESSA / GRPO "
+        "| off-task KL(base‖tuned) ESSA / GRPO (ratio ± SE) | retention change from SFT ESSA / GRPO |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for task, t in result["tasks"].items():
         acc = {k: mean_accuracy(t["essa"], k) for k in ("sft", "scale", "final")}
@@ -491,6 +533,7 @@ def table(result: dict[str, Any]) -> str:
         p = t["essa_vs_sft"]
         z = ", ".join(f"{v:.1f}" for v in p["per_seed_z"])
         grpo, mem = grpo_cells(t)
+        kl, kept = drift_cells(t)
         strict = "-"
         if "essa_vs_sft_full_credit" in t:
             f = t["essa_vs_sft_full_credit"]
@@ -500,7 +543,7 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             f"| {task} | {t['base_accuracy']:.3f} | {acc['sft']:.3f} | {scale} | "
             f"{acc['final']:.3f} | {p['gain']:+.3f} ({p['se']:.3f}) | {p['z']:.1f} | {z} | "
-            f"{strict} | {wall:.0f} | {grpo} | {mem} |"
+            f"{strict} | {wall:.0f} | {grpo} | {mem} | {kl} | {kept} |"
         )
     return "\n".join(lines)
 

@@ -282,17 +282,24 @@ def offtask_kl(
         "kl_base_sft": ("base", "sft"),
     }
     wanted = {k: v for k, v in wanted.items() if set(v) <= set(models.names)}
-    sums = dict.fromkeys(wanted, 0.0)
-    positions = 0
+    rows: dict[str, list[float]] = {k: [] for k in wanted}  # per prompt: the KL summed
+    counts: list[int] = []  # per prompt: its positions
     for start in range(0, len(pairs), micro_batch_size):
         chunk = pairs[start : start + micro_batch_size]
         logps = models.log_softmax(chunk)  # name -> (B, tail, V)
         mask = tail_mask(chunk, next(iter(logps.values())).shape[1])  # (B, tail)
-        positions += int(mask.sum())
+        counts.extend(mask.sum(1).tolist())
         for key, (p, q) in wanted.items():
-            sums[key] += float(token_kl(logps[p], logps[q])[mask].double().sum())
-    report: dict[str, Any] = {k: s / positions if positions else math.nan for k, s in sums.items()}
+            kl = token_kl(logps[p], logps[q]).double() * mask  # (B, tail)
+            rows[key].extend(kl.sum(1).tolist())
+    positions = sum(counts)
+    report: dict[str, Any] = {
+        k: sum(v) / positions if positions else math.nan for k, v in rows.items()
+    }
     report.update(kl_prompts=len(pairs), kl_positions=positions)
+    # Per prompt, its mean per-token KL: two runs on the same base and prompts compare pairwise.
+    report["kl_per_prompt"] = {k: [float(f"{s / n:.6g}") for s, n in zip(v, counts, strict=True)]
+                               for k, v in rows.items()}  # fmt: skip
     return report
 
 

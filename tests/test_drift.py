@@ -56,6 +56,10 @@ def test_kl_of_a_model_against_itself_is_zero_and_grows_when_the_adapter_moves(
     assert after["kl_sft"] > 1e-4
     assert after["kl_base_sft"] == pytest.approx(same["kl_base_sft"], rel=1e-5)  # the same SFT
     assert after["kl_positions"] == same["kl_positions"]  # the base's continuations are fixed
+    # Per prompt, its mean KL: weighted by the prompts' positions they give the mean back.
+    per_prompt = after["kl_per_prompt"]["kl_base"]
+    assert len(per_prompt) == len(PROMPTS) and min(per_prompt) >= 0
+    assert 0 < max(per_prompt) and min(per_prompt) <= after["kl_base"] <= max(per_prompt)
 
 
 def test_peft_and_population_paths_give_the_same_figures(tiny_model_dir: Path) -> None:
