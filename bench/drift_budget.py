@@ -45,6 +45,7 @@ BUDGET_ARM = "KL budget 1.25x SFT"
 def one_run(args: argparse.Namespace, arm: str, seed: int, extra: list[str]) -> dict[str, Any]:
     """One ``essa train`` of ``arm``; what the table reads of it."""
     root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
     name = arm.replace(" ", "_").replace(".", "")
     run_dir = root / f"{name}-seed{seed}"
     config = [args.config] if args.config else []
