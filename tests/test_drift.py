@@ -59,7 +59,7 @@ def test_kl_of_a_model_against_itself_is_zero_and_grows_when_the_adapter_moves(
     # Per prompt, its mean KL: weighted by the prompts' positions they give the mean back.
     per_prompt = after["kl_per_prompt"]["kl_base"]
     assert len(per_prompt) == len(PROMPTS) and min(per_prompt) >= 0
-    assert 0 < max(per_prompt) and min(per_prompt) <= after["kl_base"] <= max(per_prompt)
+    assert max(per_prompt) > 0 and min(per_prompt) <= after["kl_base"] <= max(per_prompt)
 
 
 def test_peft_and_population_paths_give_the_same_figures(tiny_model_dir: Path) -> None:
