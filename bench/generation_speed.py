@@ -14,9 +14,13 @@ Side by side in one run, interleaved over the repeats after an untimed warm-up:
   candidate-major order, ``evaluation.reference_draft: false``);
 - ``ordered``: rows shortest first, one prompt's candidates together (essa.backends.evaluator);
 - ``draft``: ordered, and the prefill read as a greedy draft (essa.backends.decode): today's
-  default.
+  default;
+- ``int8``: draft, on the same base model with its linear layers in bitsandbytes INT8
+  (``model.quantization: int8``), the same adapter and population. Its completions differ from
+  main's (the rows that differ are counted): its held-out effect is measured by
+  ``bench.quant``, not here.
 
-All three must give the same completions (the rows that differ are counted) and reference
+The first three must give the same completions (the rows that differ are counted) and reference
 log-probs (the largest difference is recorded: rows padded to other widths round differently). The profile
 splits each variant's generation by the forwards they run (the shared-prefix
 pass, the prefill of the unique prompt suffixes with the references, the decode steps), the
@@ -38,7 +42,8 @@ import torch
 from bench.common import Row, fmt_spread, median_spread, row, write_result
 
 TARGET = 2.0  # a generation at least this many times faster than main's
-VARIANTS = ("main", "ordered", "draft")
+VARIANTS = ("main", "ordered", "draft", "int8")
+EXACT = ("ordered", "draft")  # the variants whose completions must be main's
 PARAMS_PER_TOKEN = 106e6  # SmolLM2-135M's weights a token meets outside the embedding and LM head
 TASK_OVERRIDES = (
     "data.source=reasoning_gym:{task}",
@@ -115,7 +120,10 @@ def _is_prefix(kwargs: dict[str, Any]) -> bool:
 
 
 def setup(args: argparse.Namespace) -> dict[str, Any]:
-    """Model, tokenizer, SVD adapter, population, prompts, references and the reward."""
+    """Model (and its INT8 copy), tokenizer, SVD adapter, population, prompts, references and
+    the reward."""
+    from dataclasses import replace
+
     from essa.adapters.svd import svd_adapter
     from essa.backends.models import load_model
     from essa.config import load_config
@@ -141,9 +149,11 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
     base = peft_model.unload()
     population = np.asarray(make_es_optimizer(cfg.optimizer, cfg.run.seed, adapter).ask())  # (P, D)
     items = task.train[: cfg.data.batch_size]
+    int8, _ = load_model(replace(cfg.model, quantization="int8"))
     return {
         "cfg": cfg,
         "model": base,
+        "model_int8": int8,
         "tokenizer": tokenizer,
         "adapter": adapter,
         "population": population,
@@ -167,12 +177,13 @@ def evaluate(s: dict[str, Any], variant: str) -> tuple[dict[str, Any], Any, Any]
     from essa.backends import evaluator as module
 
     cfg = s["cfg"]
-    evaluation = replace(cfg.evaluation, reference_draft=variant == "draft")
+    evaluation = replace(cfg.evaluation, reference_draft=variant in ("draft", "int8"))
+    model = s["model_int8"] if variant == "int8" else s["model"]
     evaluator = module.PopulationEvaluator(
-        s["model"], s["tokenizer"], s["adapter"], cfg.generation, evaluation
+        model, s["tokenizer"], s["adapter"], cfg.generation, evaluation
     )
     order = candidate_major if variant == "main" else module.length_order
-    with mock.patch.object(module, "length_order", order), Profile(s["model"]) as p:
+    with mock.patch.object(module, "length_order", order), Profile(model) as p:
         start = time.perf_counter()
         out = evaluator.completions(s["population"], s["prompts"], references=s["references"])
         seconds = time.perf_counter() - start
@@ -257,7 +268,7 @@ def main() -> None:
         "wall": {k: median_spread(v) for k, v in wall.items()},
         "speedup": {k: round(base / statistics.median(v), 3) for k, v in wall.items()},
         "target": TARGET,
-        "identical_completions": all(outputs[v][0] == outputs["main"][0] for v in VARIANTS),
+        "identical_completions": all(outputs[v][0] == outputs["main"][0] for v in EXACT),
         "differing_completions": {
             v: differing(outputs[v][0], outputs["main"][0]) for v in VARIANTS
         },
@@ -288,14 +299,15 @@ def report_rows(result: dict[str, Any]) -> list[Row]:
             f"ESSA generation, long prompts: main / {variant}",
             f"{fmt_spread(wall['main'], 1, ' s')} / {fmt_spread(wall[variant], 1, ' s')} "
             f"= {speedup[variant]:.2f}x",
-            f">= {result['target']:.1f}x" if variant == "draft" else None,
-            speedup[variant] >= result["target"] if variant == "draft" else None,
+            f">= {result['target']:.1f}x" if variant != "ordered" else None,
+            speedup[variant] >= result["target"] if variant != "ordered" else None,
             f"{shape}; completions differing from main's: "
             f"{result['differing_completions'][variant]} of {tokens['rows']}; reference "
             f"log-probs within {diff[variant]:.1e}",
         )
-        for variant in ("ordered", "draft")
-    ] + [profile_row(result, variant) for variant in VARIANTS]
+        for variant in VARIANTS[1:]
+        if variant in speedup  # records made before the int8 variant have none
+    ] + [profile_row(result, variant) for variant in VARIANTS if variant in result["profile"]]
 
 
 def profile_row(result: dict[str, Any], variant: str) -> Row:

@@ -56,6 +56,11 @@ ARMS: dict[str, list[str]] = {
     "one_forward": ["evaluation.micro_batch_size=1024"],
     # Hansen's escape from flat fitness: sigma x1.22 when the task reward ties the top 70%
     "escape_flat": ["optimizer.escape_flat_reward=true"],
+    # the tie-breaker reads each reference token's margin to the greedy choice, not its log-prob
+    "margin": ["reward.reference_signal=margin"],
+    # sampled completions under common random numbers: a prompt scores a fraction of 4 samples
+    "sampled_crn": ["generation.temperature=1.0", "generation.samples_per_prompt=4",
+                    "data.batch_size=8"],  # fmt: skip
     # GRESO and hints on the real model: the per-prompt switches need prompts that come back, so these
     # arms share a 128-prompt training pool (35 generations x 32 prompts: ~9 visits each) and
     # are compared with `pool` (`--baseline pool`), not with the default's full pool, where a

@@ -122,3 +122,32 @@ def test_draft_applies_only_where_it_is_greedy_exactly(demo) -> None:  # type: i
     assert not draft_applies(model, none, greedy=False, columns=64)
     penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.2)])
     assert not draft_applies(model, penalty, greedy=True, columns=64)
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_margins_are_zero_where_greedy_writes_the_reference(demo, monkeypatch, draft: bool) -> None:  # type: ignore[no-untyped-def]
+    """reward.reference_signal: margin reads log p(y*_t) - max_v log p(v) from the same prefill:
+    the completions do not change, every margin is <= 0 and >= the token's log-prob, and a
+    reference that is the candidate's own greedy answer has margin 0 at every token."""
+    options = dict(strategy="batched", micro_batch_size=5)
+    plain, _, _, _ = evaluate(demo, monkeypatch, QUESTIONS, None, draft=False, **options)
+    refs = references(plain[0])
+    texts, logprobs, _, _ = evaluate(demo, monkeypatch, QUESTIONS, refs, draft=draft, **options)
+    from essa.backends.evaluator import PopulationEvaluator
+
+    model, tokenizer, adapter, x = demo
+    cfg = EvaluationConfig(reference_draft=draft, **options)
+    evaluator = PopulationEvaluator(
+        model, tokenizer, adapter, GenerationConfig(max_new_tokens=MAX_NEW), cfg
+    )
+    evaluator.reference_margin = True
+    assert evaluator.completions(x, QUESTIONS, references=refs) == texts == plain
+    margins = evaluator.last_reference_logprobs  # [candidate][item][token]
+    for cand_lp, cand_m in zip(logprobs, margins, strict=True):
+        for lp, m in zip(cand_lp, cand_m, strict=True):
+            assert len(lp) == len(m)
+            assert all(b - a >= -1e-6 and b <= 1e-6 for a, b in zip(lp, m, strict=True))
+    own = [m for i, m in enumerate(margins[0]) if i % 5 == 0 and refs[i]]  # candidate 0's own
+    assert own and all(abs(v) <= 1e-5 for m in own for v in m)
+    wrong = [m for i, m in enumerate(margins[0]) if i % 5 == 1 and plain[0][i] != "77"]
+    assert wrong and all(min(m) < -1e-3 for m in wrong)  # greedy does not write "77" there

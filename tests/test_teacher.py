@@ -147,3 +147,79 @@ def test_tell_widens_sigma_only_when_switched_on_and_the_reward_is_flat() -> Non
     assert sigmas["on-ranked"][0] == sigmas["off-flat"][0]
     assert sigmas["on-flat"][1] == 1.0
     assert sigmas["on-flat"][0] == pytest.approx(sigmas["off-flat"][0] * sigmas["on-flat"][2])
+
+
+def _margins(model, tokenizer, prompt: str, continuation: str) -> list[float]:
+    """log p(y_t) - max_v log p(v) per continuation token, from one plain forward."""
+    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    c = tokenizer(continuation, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([p + c])).logits.float()
+    logp = torch.log_softmax(logits, dim=-1)[0]  # (T, V)
+    rows = [logp[len(p) - 1 + t] for t in range(len(c))]
+    return [float(row[tok] - row.max()) for row, tok in zip(rows, c, strict=True)]
+
+
+@pytest.mark.parametrize("drop_rows", [True, False])
+def test_reference_margins_in_the_prefill_match_each_candidate_merged(
+    tiny_model_dir, monkeypatch, drop_rows: bool
+) -> None:
+    """reward.reference_signal: margin, from the decode loop's prefill or (where that loop does
+    not apply) the separate teacher pass: each candidate's margins as its own merged model
+    gives them, and the completions unchanged."""
+    import essa.backends.generate as hf
+    from essa.adapters import merged_candidate
+    from essa.backends.evaluator import PopulationEvaluator
+    from essa.config import EvaluationConfig, GenerationConfig
+
+    model, tokenizer, adapter = svd_setup(tiny_model_dir)
+    if not drop_rows:
+        monkeypatch.setattr(hf, "supports_row_dropping", lambda _model: False)
+    population = np.random.default_rng(5).normal(0, 0.5, size=(2, adapter.dim)) * adapter.stds()
+    prompts, refs = ["12+3=", "7+7=", "40+2="], ["15", "140", "42"]
+    cfg = EvaluationConfig(strategy="batched", micro_batch_size=4)
+    evaluator = PopulationEvaluator(
+        model, tokenizer, adapter, GenerationConfig(max_new_tokens=4), cfg
+    )
+    plain = evaluator.completions(population, prompts)
+    evaluator.reference_margin = True
+    assert evaluator.completions(population, prompts, references=refs) == plain
+    got = evaluator.last_reference_logprobs  # [candidate][item][token]: margins
+    for c, vector in enumerate(population):
+        with merged_candidate(model, adapter, vector):
+            want = [_margins(model, tokenizer, p, r) for p, r in zip(prompts, refs, strict=True)]
+        for g, w in zip(got[c], want, strict=True):
+            assert g == pytest.approx(w, abs=2e-5)
+    assert all(v <= 0 for c in got for item in c for v in item)
+    assert any(v < -1e-3 for c in got for item in c for v in item)  # not all greedy's choice
+
+
+def test_margin_needs_the_tie_breaker() -> None:
+    from essa.config import ConfigError, load_config
+
+    with pytest.raises(
+        ConfigError, match="reward.reference_signal: margin .* needs reward.reference_weight > 0"
+    ):
+        load_config(None, ["reward.reference_signal=margin"])
+    cfg = load_config(None, ["reward.reference_signal=margin", "reward.reference_weight=1"])
+    assert cfg.reward.reference_signal == "margin"
+
+
+@pytest.mark.slow
+def test_a_run_with_margins_logs_them(tmp_path) -> None:
+    import json
+
+    from tests.test_train_e2e import essa, sets
+
+    run_dir = tmp_path / "run"
+    res = essa("train", "--run-dir", str(run_dir), *sets(
+        "sft.steps=6", "data.sft_size=16", "data.test_size=16", "data.batch_size=8",
+        "optimizer.population_size=4", "evaluation.every=0", "run.generations=2",
+        "run.show_progress=false", "evaluation.drift.items=0", "reward.reference_weight=1",
+        "reward.reference_signal=margin",
+    ))  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(x) for x in lines if '"reference_margin"' in x]
+    assert len(records) == 2 and all(r["reference_margin"] <= 0 for r in records)
+    assert not any('"reference_logprob"' in x for x in lines)

@@ -43,6 +43,7 @@ from essa.backends.cache import (
 )
 from essa.backends.sampling import RowPicker
 from essa.backends.stops import ToolCallStop
+from essa.backends.teacher import MarginSink, token_scores
 
 COMPACT_FRACTION = 8  # drop ended rows once they are at least 1/8 of the running batch
 ACCELERATOR_CHECK_EVERY = 4  # steps between reads of the finished rows on a GPU
@@ -329,7 +330,7 @@ def _teacher_forward(
             logp = torch.log_softmax(
                 logits[:, :n], dim=-1
             )  # (b, L, V): column t predicts ids[:, t]
-            picked = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1).cpu()  # (b, L)
+            picked = token_scores(logp, ids, isinstance(out, MarginSink)).cpu()  # (b, L)
             del logp
             out.extend(picked[i, : len(row)].tolist() for i, row in enumerate(teacher))
         else:

@@ -38,6 +38,7 @@ from essa.adapters import PopulationLoRA, SVDAdapter, merged_candidate
 from essa.adapters.population import HALF_DTYPES
 from essa.backends.generate import NonFiniteGuard, generate_texts
 from essa.backends.stops import ToolCallStop
+from essa.backends.teacher import MarginSink
 from essa.config import EvaluationConfig, GenerationConfig, PythonToolConfig
 from essa.errors import UserError
 from essa.protocols import RowProgress
@@ -115,6 +116,9 @@ class PopulationEvaluator:
         # With ``references`` in a call: each reference's teacher-forced token log-probs under
         # each candidate, from the generation's own prefill: [candidate][item][token].
         self.last_reference_logprobs: list[list[list[float]]] = []
+        # Set by a recipe (reward.reference_signal: margin): the reference tokens' margins to
+        # the greedy choice instead of their log-probs (essa.backends.teacher.MarginSink).
+        self.reference_margin = False
         self._reference_ids: list[list[int]] | None = None  # of the current call, per item
         # Prompt -> token ids: every prompt is tokenised once per run, not every generation.
         self._token_ids: dict[str, list[int]] = {}
@@ -343,6 +347,9 @@ class PopulationEvaluator:
         self.tool_tally.add(transcripts, finals)
         return texts, tokens
 
+    def _reference_sink(self) -> list[list[float]]:
+        return MarginSink() if self.reference_margin else []
+
     def _guard(self, n_rows: int) -> NonFiniteGuard:
         return NonFiniteGuard(n_rows, self.tokenizer.eos_token_id)
 
@@ -357,7 +364,7 @@ class PopulationEvaluator:
         guard = self._guard(p * n)
         seeds = None if self._row_seeds is None else [self._row_seeds[i] for i in items]
         logprobs: list[list[float]] | None = [] if self.record_logprobs else None
-        ref_logprobs: list[list[float]] | None = None if refs is None else []
+        ref_logprobs = None if refs is None else self._reference_sink()
         with PopulationLoRA(self.model, self.adapter) as pop:
             pop.set_population(population)
             texts, tokens = self._generate(
@@ -405,7 +412,7 @@ class PopulationEvaluator:
         for vector in population:
             guard = self._guard(len(prompts))
             logprobs: list[list[float]] | None = [] if self.record_logprobs else None
-            ref_logprobs: list[list[float]] | None = None if refs is None else []
+            ref_logprobs = None if refs is None else self._reference_sink()
             with merged_candidate(self.model, self.adapter, vector):
                 texts, new = self._generate(
                     prompts,

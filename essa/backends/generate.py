@@ -30,6 +30,7 @@ from essa.backends.decode import (
 from essa.backends.models import model_device
 from essa.backends.sampling import RowPicker
 from essa.backends.stops import ToolCallStop, stop_token_ids
+from essa.backends.teacher import MarginSink
 from essa.config import GenerationConfig
 
 log = logging.getLogger(__name__)
@@ -163,8 +164,9 @@ def generate_texts(
             )  # fmt: skip
         else:
             if teacher is not None and reference_logprobs is not None:
+                margin = isinstance(reference_logprobs, MarginSink)
                 reference_logprobs.extend(
-                    _teacher_pass(model, tokenizer, encoded[start:stop], teacher)
+                    _teacher_pass(model, tokenizer, encoded[start:stop], teacher, margin)
                 )
             if stopping is not None:
                 stopping.width = input_ids.shape[1]
@@ -185,7 +187,11 @@ def generate_texts(
 
 
 def _teacher_pass(
-    model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], teacher: Sequence[Sequence[int]]
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    teacher: Sequence[Sequence[int]],
+    margin: bool = False,
 ) -> list[list[float]]:
     """Teacher-forced log-probs of ``teacher`` after ``prompts`` in a forward of their own (for
     models the decode loop does not cover); the rows' candidates are already set."""
@@ -193,7 +199,7 @@ def _teacher_pass(
 
     pairs = [(list(p), list(t)) for p, t in zip(prompts, teacher, strict=True)]
     return token_logprobs_rows(
-        model, pairs, pad_id=tokenizer.pad_token_id, micro_batch_size=len(pairs)
+        model, pairs, pad_id=tokenizer.pad_token_id, micro_batch_size=len(pairs), margin=margin
     )
 
 

@@ -34,6 +34,31 @@ def encode_pairs(
     return list(zip(p_ids, c_ids, strict=True))
 
 
+class MarginSink(list):
+    """A ``reference_logprobs`` sink (an empty list) that receives each reference token's margin
+    to the greedy choice instead of its log-prob: log p(y*_t) - max_v log p(v) at the same
+    position, <= 0, and 0 exactly where greedy decoding after y*_<t would write y*_t.
+
+    Their mean over a reference is 0 when greedy decoding writes the whole reference, and says
+    how far each position is from flipping to it otherwise: unlike the log-likelihood, sharpening
+    a distribution that already puts the reference on top changes nothing
+    (``reward.reference_signal: margin``; docs/real-model.md).
+    """
+
+
+def token_scores(logp: torch.Tensor, ids: torch.Tensor, margin: bool) -> torch.Tensor:
+    """(B, L): each teacher token's log-prob under ``logp`` (B, L, V), or with ``margin`` its
+    log-prob minus the position's largest (:class:`MarginSink`).
+
+    >>> logp = torch.log(torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.6, 0.3]]]))
+    >>> ids = torch.tensor([[1, 1]])
+    >>> token_scores(logp, ids, margin=True).exp().round(decimals=3).tolist()
+    [[0.6, 1.0]]
+    """
+    picked = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # (B, L)
+    return picked - logp.amax(dim=-1) if margin else picked
+
+
 @torch.no_grad()
 def token_logprobs_rows(
     model: Any,
@@ -43,8 +68,10 @@ def token_logprobs_rows(
     micro_batch_size: int,
     set_rows: Any = None,
     row_candidates: torch.Tensor | None = None,
+    margin: bool = False,
 ) -> list[list[float]]:
-    """Per row, the continuation tokens' log-probs (float32 log-softmax); ``[]`` if empty."""
+    """Per row, the continuation tokens' log-probs (float32 log-softmax), or with ``margin``
+    their margins (:func:`token_scores`); ``[]`` if empty."""
     device = model_device(model)
     keep = "logits_to_keep" in inspect.signature(model.forward).parameters
     out: list[list[float]] = []
@@ -52,7 +79,7 @@ def token_logprobs_rows(
         chunk = pairs[start : start + micro_batch_size]
         if set_rows is not None and row_candidates is not None:
             set_rows(row_candidates[start : start + len(chunk)])
-        out.extend(_chunk_logprobs(model, chunk, pad_id, device, keep))
+        out.extend(_chunk_logprobs(model, chunk, pad_id, device, keep, margin))
     return out
 
 
@@ -62,11 +89,12 @@ def _chunk_logprobs(
     pad_id: int,
     device: torch.device,
     keep: bool,
+    margin: bool = False,
 ) -> list[list[float]]:
     logp, ids = tail_log_softmax(model, chunk, pad_id, device, keep)
     logp = logp[:, :-1, :]  # (B, tail - 1, V): predicts ids[-tail+1:]
     target = ids[:, ids.shape[1] - logp.shape[1] :]  # (B, tail - 1)
-    picked = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1).cpu()  # (B, tail - 1)
+    picked = token_scores(logp, target, margin).cpu()  # (B, tail - 1)
     out = []
     for i, (_, cont) in enumerate(chunk):
         n = len(cont)

@@ -70,6 +70,10 @@ class RewardConfig:
     # reference answer's mean token log-prob under the candidate), teacher-forced in the
     # generation's own prefill. 0: off. Correctness moves in steps of 1/batch; this does not.
     reference_weight: float = 0.0
+    # What the tie-breaker reads per reference token: its log-prob (likelihood), or its margin
+    # to the greedy choice, log p(y*_t) - max_v log p(v) (margin: 0 where greedy writes y*_t,
+    # so only items greedy gets wrong, by how far they are from flipping, move it).
+    reference_signal: Literal["likelihood", "margin"] = "likelihood"
 
 
 def check_data(d: DataConfig) -> None:

@@ -162,6 +162,11 @@ def _check_tool_rollouts(cfg: Config) -> None:
 
 def _check_reference_weight(cfg: Config) -> None:
     w = cfg.reward.reference_weight
+    if cfg.reward.reference_signal != "likelihood" and not w:
+        raise ConfigError(
+            f"reward.reference_signal: {cfg.reward.reference_signal} is what the tie-breaker "
+            "reads; it needs reward.reference_weight > 0"
+        )
     if w and cfg.algorithm != "essa":
         raise ConfigError(
             "reward.reference_weight: the tie-breaker is part of the ESSA fitness; "

@@ -201,13 +201,18 @@ class FitnessSettings:
     batch_size: int  # data.batch_size: prompts per generation, shared by all candidates
     samples_per_prompt: int = 1  # generation.samples_per_prompt: completions per prompt
     reference_weight: float = 0.0  # reward.reference_weight: the dense tie-breaker's weight
+    reference_signal: str = "likelihood"  # reward.reference_signal: what it reads per token
 
     @classmethod
     def of(
         cls, run: RunConfig, data: DataConfig, generation: GenerationConfig, reward: RewardConfig
     ) -> FitnessSettings:
         return cls(
-            run.seed, data.batch_size, generation.samples_per_prompt, reward.reference_weight
+            run.seed,
+            data.batch_size,
+            generation.samples_per_prompt,
+            reward.reference_weight,
+            reward.reference_signal,
         )
 
 
@@ -283,13 +288,15 @@ def shard_fitness(
     dense = reference_term(evaluator.last_reference_logprobs)  # (p,)
     fitness = comm.allgather_fitness(local + weight * dense)
     metrics = signal_metrics(reward_fitness, len(prompts))
-    metrics["reference_logprob"] = float(np.nanmean(comm.allgather_fitness(dense)))
+    name = "reference_logprob" if settings.reference_signal == "likelihood" else "reference_margin"
+    metrics[name] = float(np.nanmean(comm.allgather_fitness(dense)))
     return fitness, {**pool, **metrics}
 
 
 def reference_term(logprobs: list[list[list[float]]]) -> np.ndarray:
     """(P,) per candidate: the mean over items of the reference's mean token log-prob, i.e. the
-    length-normalised log-likelihood of the right answer (items without one are left out).
+    length-normalised log-likelihood of the right answer, or with ``reward.reference_signal:
+    margin`` its mean margin to the greedy choice (items without one are left out).
 
     >>> reference_term([[[-1.0, -3.0], []], [[-0.5], [-1.5]]]).tolist()
     [-2.0, -1.0]

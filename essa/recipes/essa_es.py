@@ -108,6 +108,7 @@ def run(
         settings = setup.evaluator_settings(cfg)
         evaluator = population_evaluator(settings, base, tokenizer, adapter, h.comm.world_size)
         evaluator.record_logprobs = COMPLETION_LOGPROBS in reward.needs  # type: ignore[attr-defined]
+        evaluator.reference_margin = cfg.reward.reference_signal == "margin"  # type: ignore[attr-defined]
         heldout = functools.partial(_heldout, h, evaluator, task.test, test_prompts)
         drift = functools.partial(adapter_report, cfg, h, base, tokenizer, adapter, task.test)
         pass_drift = functools.partial(adapter_pass_figures, cfg, base, tokenizer, adapter)
