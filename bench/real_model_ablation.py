@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_result
-from bench.real_model import TASKS, essa_seed, paired, task_config
+from bench.real_model import ALL_TASKS, essa_seed, paired, task_config
 from bench.signal import curve, geomean, rows_per_step, rows_ratio
 
 RESULTS = Path("bench/results")
@@ -59,8 +59,11 @@ ARMS: dict[str, list[str]] = {
     # the tie-breaker reads each reference token's margin to the greedy choice, not its log-prob
     "margin": ["reward.reference_signal=margin"],
     # sampled completions under common random numbers: a prompt scores a fraction of 4 samples
-    "sampled_crn": ["generation.temperature=1.0", "generation.samples_per_prompt=4",
-                    "data.batch_size=8"],  # fmt: skip
+    "sampled_crn": [
+        "generation.temperature=1.0",
+        "generation.samples_per_prompt=4",
+        "data.batch_size=8",
+    ],  # fmt: skip
     # GRESO and hints on the real model: the per-prompt switches need prompts that come back, so these
     # arms share a 128-prompt training pool (35 generations x 32 prompts: ~9 visits each) and
     # are compared with `pool` (`--baseline pool`), not with the default's full pool, where a
@@ -175,7 +178,7 @@ def table(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", default="chain_sum", choices=list(TASKS))
+    parser.add_argument("--task", default="chain_sum", choices=list(ALL_TASKS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", default=ABLATION, choices=list(ARMS))
     parser.add_argument("--threads", type=int, default=2)
@@ -186,7 +189,7 @@ def main() -> None:
     parser.add_argument("--out", help="results stem (default: real_model_ablation[_TASK])")
     args = parser.parse_args()
     root = Path(args.root) / args.task
-    config = task_config(args.task, TASKS[args.task], root)
+    config = task_config(args.task, ALL_TASKS[args.task], root)
     arms = [args.baseline, *(a for a in args.arms if a != args.baseline)]
     runs: dict[str, list[dict]] = {}
     for arm in arms:
