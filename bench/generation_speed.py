@@ -17,8 +17,8 @@ Side by side in one run, interleaved over the repeats after an untimed warm-up:
   default;
 - ``int8``: draft, on the same base model with its linear layers in bitsandbytes INT8
   (``model.quantization: int8``), the same adapter and population. Its completions differ from
-  main's (the rows that differ are counted): its held-out effect is measured by
-  ``bench.quant``, not here.
+  main's (the rows that differ are counted): its held-out effect is the arm ``int8`` of
+  ``bench.real_model_ablation``, not measured here.
 
 The first three must give the same completions (the rows that differ are counted) and reference
 log-probs (the largest difference is recorded: rows padded to other widths round differently). The profile

@@ -64,6 +64,8 @@ ARMS: dict[str, list[str]] = {
         "generation.samples_per_prompt=4",
         "data.batch_size=8",
     ],  # fmt: skip
+    # base weights in bitsandbytes INT8: faster generations on CPU, different rounding
+    "int8": ["model.quantization=int8"],
     # GRESO and hints on the real model: the per-prompt switches need prompts that come back, so these
     # arms share a 128-prompt training pool (35 generations x 32 prompts: ~9 visits each) and
     # are compared with `pool` (`--baseline pool`), not with the default's full pool, where a
