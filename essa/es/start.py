@@ -5,6 +5,7 @@ It answers "is ES doing more than turning the adapter up?" (ESSA spec §4).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,21 @@ def scale_vector(adapter: SVDAdapter, factor: float) -> AdapterVector:
     for module in adapter.modules:
         x[module.slice_b] = (factor - 1.0) * np.asarray(module.s_b[: module.k])
     return x
+
+
+def preferred_factor(fitness: np.ndarray) -> int:
+    """Index of the best of SCALE_FACTORS by ``fitness`` (8,); among factors tied at the best,
+    the one closest to x1 in log scale: a reward that cannot tell them apart (all right, or all
+    wrong) is no reason to move off the SFT adapter.
+
+    >>> preferred_factor(np.array([1.0, 1.0, 1.0, 0.5, 1.0, 0.0, 0.0, 0.0]))
+    1
+    >>> preferred_factor(np.array([0.2, 0.3, 0.3, 0.9, 0.9, 0.1, np.nan, 0.0]))
+    3
+    """
+    top = np.nanmax(fitness)
+    tied = [i for i, f in enumerate(fitness) if np.isfinite(f) and abs(f - top) <= 1e-12]
+    return min(tied, key=lambda i: abs(math.log(SCALE_FACTORS[i])))
 
 
 def scale_baseline(
@@ -88,7 +104,7 @@ def scale_baseline(
     fitness = comm.allgather_fitness(local)  # (8,) in factor order
     if np.all(np.isnan(fitness)):  # the reward failed everywhere: no baseline to report
         return None
-    best = int(np.nanargmax(fitness))
+    best = preferred_factor(fitness)
     result = {
         "factor": SCALE_FACTORS[best],
         "train_fitness": float(fitness[best]),
