@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from essa import seeding
-from essa.config import Config, DriftConfig, GenerationConfig
+from essa.config import Config, DriftConfig, GenerationConfig, PythonToolConfig
 from essa.types import AdapterVector, Example
 
 if TYPE_CHECKING:
@@ -62,6 +62,11 @@ OFFTASK_TEXTS = (
     "The square root of 81 is",
 )
 NAMES = ("base", "sft", "tuned")
+
+
+def tool_calls(cfg: Config) -> PythonToolConfig | None:
+    """The run's tool calls (``tools.python``), None for text-only rollouts."""
+    return cfg.tools.python if cfg.tools.python.max_tool_calls else None
 
 
 def retention_source(cfg: Config) -> str | None:
@@ -122,6 +127,26 @@ def tail_mask(chunk: Sequence[Pair], tail: int) -> torch.Tensor:
     return mask
 
 
+def texts_of(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    gen: GenerationConfig,
+    tools: PythonToolConfig | None,
+    **kwargs: Any,
+) -> list[str]:
+    """Completions of ``prompts``: ``generate_texts``, or with ``tools`` the turn-by-turn
+    rollouts the run itself makes (essa.backends.tool_turns), tool outputs in the text."""
+    from essa.backends.generate import generate_texts
+
+    if tools is None:
+        return generate_texts(model, tokenizer, prompts, gen, **kwargs)[0]
+    from essa.backends.tool_turns import generate_turns
+
+    ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    return generate_turns(model, tokenizer, ids, gen, tools, **kwargs)[0]
+
+
 @dataclass
 class PopulationModels:
     """ESSA's models: the bare base model, and the SFT (zero offsets) and tuned vectors as the
@@ -133,6 +158,7 @@ class PopulationModels:
     vector: AdapterVector
     micro_batch_size: int
     names: tuple[str, ...] = NAMES
+    tools: PythonToolConfig | None = None  # the run's tool calls, for retention and pass@K
 
     def _population(self) -> np.ndarray:
         return np.stack([np.zeros_like(self.vector), np.asarray(self.vector)])  # (2, D)
@@ -154,17 +180,21 @@ class PopulationModels:
         gen: GenerationConfig,
         names: Sequence[str],
         row_seeds: Sequence[int] | None = None,
+        tools: bool = False,
     ) -> dict[str, list[str]]:
+        """Completions of ``prompts`` by each of ``names``; with ``tools``, with the run's
+        tool calls (``self.tools``)."""
         from essa.adapters import PopulationLoRA, candidate_rows
-        from essa.backends.generate import generate_texts
 
+        calls = self.tools if tools else None
         out: dict[str, list[str]] = {}
         if "base" in names:
-            out["base"], _ = generate_texts(
+            out["base"] = texts_of(
                 self.model,
                 self.tokenizer,
                 prompts,
                 gen,
+                calls,
                 micro_batch_size=self.micro_batch_size,
                 row_seeds=row_seeds,
             )
@@ -173,11 +203,12 @@ class PopulationModels:
             n = len(prompts)
             with PopulationLoRA(self.model, self.adapter) as pop:
                 pop.set_population(self._population()[rows])
-                texts, _ = generate_texts(
+                texts = texts_of(
                     self.model,
                     self.tokenizer,
                     list(prompts) * len(rows),  # candidate-major
                     gen,
+                    calls,
                     micro_batch_size=self.micro_batch_size,
                     row_candidates=candidate_rows(len(rows), n),
                     set_rows=pop.set_rows,
@@ -198,6 +229,7 @@ class PeftModels:
     micro_batch_size: int
     sft: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
     has_base: bool = True  # False: the base weights themselves were trained (GRPO with LISA)
+    tools: PythonToolConfig | None = None  # the run's tool calls, for retention and pass@K
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -230,17 +262,18 @@ class PeftModels:
         gen: GenerationConfig,
         names: Sequence[str],
         row_seeds: Sequence[int] | None = None,
+        tools: bool = False,
     ) -> dict[str, list[str]]:
-        from essa.backends.generate import generate_texts
-
+        """As :meth:`PopulationModels.generate`."""
         out = {}
         for name in (n for n in self.names if n in names):
             with self._context(name)():  # type: ignore[misc]
-                out[name], _ = generate_texts(
+                out[name] = texts_of(
                     self.inner,
                     self.tokenizer,
                     prompts,
                     gen,
+                    self.tools if tools else None,
                     micro_batch_size=self.micro_batch_size,
                     row_seeds=row_seeds,
                 )
@@ -371,7 +404,7 @@ def retention(
 
     reward = get_reward("math_accuracy")
     answers = [e.answer for e in examples]
-    texts = models.generate(prompts, replace(gen, temperature=0.0), models.names)
+    texts = models.generate(prompts, replace(gen, temperature=0.0), models.names, tools=True)
     report: dict[str, Any] = {"source": source, "items": len(examples)}
     for name, completions in texts.items():
         scores = reward(completions, answers, list(prompts))
@@ -398,7 +431,7 @@ def sampled(
     base_seed = seeding.seed_int(seed, "drift.samples")
     rows = [p for p in prompts for _ in range(k)]  # problem-major
     seeds = [row_seed(base_seed, i, j) for i in range(len(prompts)) for j in range(k)]
-    texts = models.generate(rows, gen, ["tuned"], row_seeds=seeds)["tuned"]
+    texts = models.generate(rows, gen, ["tuned"], row_seeds=seeds, tools=True)["tuned"]
     answers = [e.answer for e in examples for _ in range(k)]
     return grade_samples(texts, answers, rows, k, reward)
 
@@ -450,6 +483,7 @@ def measure(
         report["update"] = dict(updates)
     if models is None:
         return report
+    models = replace(models, tools=tool_calls(cfg))  # retention and pass@K as the run rolls out
     with _eval_mode(models.model):
         report.update(_model_parts(cfg, d, models, tokenizer, test, reward))
     return report

@@ -413,3 +413,31 @@ def test_tool_references_are_the_code_call_targets() -> None:
     refs = tool_references(examples, TORL)
     assert refs[0] == "```python\n12+30\n```\n```output\n42\n```\nThe answer is 42."
     assert refs[1] == "tac"  # no solver reads it: the answer, as without tools
+
+
+@needs_bwrap
+def test_drift_report_samples_with_the_runs_tool_calls(demo) -> None:  # type: ignore[no-untyped-def]
+    """Retention and pass@K of a run with tools generate as its rollouts do: the tuned
+    candidate's completions of the drift report equal the evaluator's, tool outputs included;
+    without tools the same models write no output block."""
+    from essa import drift
+    from essa.backends.evaluator import PopulationEvaluator
+
+    model, tok, adapter = demo
+    x = np.random.default_rng(1).normal(size=adapter.dim) * adapter.stds()
+    tools = replace(DEMO, allow_unisolated=False)
+    gen = GenerationConfig(max_new_tokens=8)
+    handle = forced_block_model(model, tok)
+    try:
+        models = drift.PopulationModels(model, tok, adapter, x, 4, tools=tools)
+        with_tools = models.generate(QUESTIONS, gen, ["tuned"], tools=True)["tuned"]
+        text_only = models.generate(QUESTIONS, gen, ["tuned"])["tuned"]
+        evaluator = PopulationEvaluator(
+            model, tok, adapter, gen, EvaluationConfig(strategy="batched"), tools
+        )
+        (rollouts,) = evaluator.completions(x[None, :], QUESTIONS)
+    finally:
+        handle.remove()
+    assert with_tools == rollouts
+    assert any(tools.output_start in t for t in with_tools)
+    assert not any(tools.output_start in t for t in text_only)
