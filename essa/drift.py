@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from essa import seeding
-from essa.config import Config, DriftConfig, GenerationConfig, PythonToolConfig
+from essa.config import Config, DataConfig, DriftConfig, GenerationConfig, PythonToolConfig
 from essa.types import AdapterVector, Example
 
 if TYPE_CHECKING:
@@ -62,11 +62,6 @@ OFFTASK_TEXTS = (
     "The square root of 81 is",
 )
 NAMES = ("base", "sft", "tuned")
-
-
-def tool_calls(cfg: Config) -> PythonToolConfig | None:
-    """The run's tool calls (``tools.python``), None for text-only rollouts."""
-    return cfg.tools.python if cfg.tools.python.max_tool_calls else None
 
 
 def retention_source(cfg: Config) -> str | None:
@@ -106,6 +101,14 @@ def offtask_prompts(train_source: str, n: int, tokenizer: Any) -> list[str]:
     for i in range(max((len(s) for s in streams), default=0)):
         out.extend(s[i] for s in streams if i < len(s))
     return out[:n]
+
+
+def rendered_offtask_prompts(data: DataConfig, n: int, tokenizer: Any) -> list[str]:
+    """:func:`offtask_prompts` in ``data``'s template, as the run renders its own prompts."""
+    from essa.data.task import render_prompts
+
+    questions = [Example(prompt=t, answer=None) for t in offtask_prompts(data.source, n, tokenizer)]
+    return render_prompts(questions, data.template, tokenizer, data.system_prompt)
 
 
 def token_kl(logp_p: torch.Tensor, logp_q: torch.Tensor) -> torch.Tensor:
@@ -483,7 +486,7 @@ def measure(
         report["update"] = dict(updates)
     if models is None:
         return report
-    models = replace(models, tools=tool_calls(cfg))  # retention and pass@K as the run rolls out
+    models = replace(models, tools=cfg.tools.calls)  # retention and pass@K as the run rolls out
     with _eval_mode(models.model):
         report.update(_model_parts(cfg, d, models, tokenizer, test, reward))
     return report
@@ -521,13 +524,9 @@ def _model_parts(
 def _kl_part(cfg: Config, d: DriftConfig, models: Models, tokenizer: Any) -> dict[str, Any]:
     """Off-task KL (:func:`offtask_kl`) on ``d.prompts`` prompts in the run's template; {} when
     there is no base model to compare with or no prompt."""
-    from essa.data.task import render_prompts
-
     if not d.prompts or "base" not in models.names:
         return {}
-    texts = offtask_prompts(cfg.data.source, d.prompts, tokenizer)
-    questions = [Example(prompt=t, answer=None) for t in texts]
-    prompts = render_prompts(questions, cfg.data.template, tokenizer, cfg.data.system_prompt)
+    prompts = rendered_offtask_prompts(cfg.data, d.prompts, tokenizer)
     return offtask_kl(models, prompts, d.tokens, cfg.evaluation.micro_batch_size)
 
 

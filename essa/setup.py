@@ -78,7 +78,7 @@ def evaluator_settings(cfg: Config) -> EvaluatorSettings:
         cfg.run.seed,
         o.population_size,
         cfg.backend,
-        cfg.tools.python if cfg.tools.python.max_tool_calls else None,
+        cfg.tools.calls,
     )
 
 

@@ -43,6 +43,11 @@ class PythonToolConfig:
 class ToolsConfig:
     python: PythonToolConfig = field(default_factory=PythonToolConfig)
 
+    @property
+    def calls(self) -> PythonToolConfig | None:
+        """The Python tool's settings when rollouts call it (``max_tool_calls`` > 0), else None."""
+        return self.python if self.python.max_tool_calls else None
+
 
 def check_tools(t: ToolsConfig) -> None:
     _check_python_tool(t.python)

@@ -207,23 +207,13 @@ def drift_budget(
 ) -> DriftBudget | None:
     """The run's drift budget (None when ``optimizer.drift_budget`` is all off); the anchor set
     is rendered in ``data``'s template and scored ``micro_batch_size`` rows per forward."""
+    from essa.drift import rendered_offtask_prompts
+
     if not (d.anchor or d.uses_kl):
         return None
     scale = np.where(adapter.searchable(), adapter.stds(), 0.0)
     budget = DriftBudget(d, scale, None, model, adapter, micro_batch_size)
     if d.uses_kl:
-        prompts = anchor_prompts(data, d.prompts, tokenizer)
+        prompts = rendered_offtask_prompts(data, d.prompts, tokenizer)
         budget.anchor_set = anchor_set(model, tokenizer, prompts, d.tokens, micro_batch_size)
     return budget
-
-
-def anchor_prompts(data: DataConfig, n: int, tokenizer: Any) -> list[str]:
-    """The first ``n`` off-task prompts (:func:`essa.drift.offtask_prompts`), in ``data``'s
-    template."""
-    from essa.data.task import render_prompts
-    from essa.drift import offtask_prompts
-    from essa.types import Example
-
-    texts = offtask_prompts(data.source, n, tokenizer)
-    questions = [Example(prompt=t, answer=None) for t in texts]
-    return render_prompts(questions, data.template, tokenizer, data.system_prompt)
