@@ -226,7 +226,8 @@ def probe_costs(
     :data:`SFT_BACKWARD_FACTOR` forwards of its tokens, at the prefill's rate."""
     import torch
 
-    from essa.backends.generate import generate_texts
+    from essa.backends.cache import fast_cache_layout
+    from essa.backends.generate import MIN_PREFIX_TOKENS, generate_texts
 
     gen = dataclasses.replace(cfg.generation, temperature=0.0)
     rows = [prompts[i % len(prompts)] for i in range(PROBE_ROWS)]
@@ -250,10 +251,31 @@ def probe_costs(
     per_token = max(0.0, whole - prefill) / max(1, gen.new_tokens - 1)  # decode, all rows
     decoded = min(gen.new_tokens, lengths.reference_mean + 1)
     row = (prefill + per_token * (decoded - 1)) / len(rows)
-    prefill_rate = len(rows) * lengths.prompt_mean / prefill if prefill > 0 else math.inf
+    cached = (
+        cfg.evaluation.use_prefix_cache
+        and lengths.shared_prefix >= MIN_PREFIX_TOKENS
+        and fast_cache_layout(model)
+    )  # what generate_texts does with these rows
+    computed = probe_prefill_tokens(lengths, len(rows), cached)
+    prefill_rate = computed / prefill if prefill > 0 else math.inf
     sft_tokens = cfg.sft.batch_size * (lengths.prompt_mean + lengths.reference_mean + 1)
     sft_step = SFT_BACKWARD_FACTOR * sft_tokens / prefill_rate
     return Costs(row=row, sft_step=sft_step, spent=spent)
+
+
+def probe_prefill_tokens(lengths: TaskLengths, rows: int, prefix_cached: bool) -> float:
+    """Prompt tokens the probe's prefill computes: with the shared-prefix cache the common prefix
+    runs once and each row only its own suffix. SFT computes every token of every example, so
+    its step is costed at this rate (counting whole prompts there priced a chain_sum SFT step at
+    a third of what it took).
+
+    >>> lengths = TaskLengths(47.0, 50, 35, 2.0, 3)
+    >>> probe_prefill_tokens(lengths, 8, prefix_cached=False), probe_prefill_tokens(lengths, 8, True)
+    (376.0, 131.0)
+    """
+    if not prefix_cached:
+        return rows * lengths.prompt_mean
+    return lengths.shared_prefix + rows * (lengths.prompt_mean - lengths.shared_prefix)
 
 
 def make_plan(
