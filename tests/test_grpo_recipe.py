@@ -163,3 +163,53 @@ def test_rollout_stops_at_the_model_end_of_turn_token(tiny_lora) -> None:  # typ
         n = int(out.mask[row].sum())
         stops = [t for t, x in enumerate(ids) if x in (end_of_turn, tokenizer.eos_token_id)]
         assert n == (stops[0] + 1 if stops else len(ids))
+
+
+def test_micro_batches_bound_the_logits_and_keep_the_asked_number(tiny_lora, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from essa.gradient import policy as policy_module
+
+    peft_model, _ = tiny_lora
+    v = policy_module.vocab_size(peft_model)
+    assert v == peft_model.get_output_embeddings().weight.shape[0]
+    monkeypatch.setattr(policy_module, "LOGITS_PER_MICRO_BATCH", 3 * 5 * v)  # 3 rows of T=4
+    chunks = policy_module.micro_batches(peft_model, 10, 4)
+    assert [len(c) for c in chunks] == [3, 3, 3, 1]  # ceil(10 / 3) = 4 micro-batches
+    assert torch.equal(torch.cat(chunks), torch.arange(10))
+    assert len(policy_module.micro_batches(peft_model, 10, 4, at_least=5)) == 5  # the asked number
+    assert len(policy_module.micro_batches(peft_model, 10, 1)) == 2  # short rows: 7 per batch
+    assert [len(c) for c in policy_module.micro_batches(peft_model, 2, 100)] == [1, 1]
+
+
+def test_long_rows_split_into_more_micro_batches_give_the_same_update(
+    tiny_lora, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A logit budget that splits the step into one row per micro-batch moves the LoRA as one
+    micro-batch does: the losses divide by the step's counts, not a micro-batch's."""
+    from essa.gradient import losses
+    from essa.gradient import policy as policy_module
+    from essa.recipes import grpo
+
+    peft_model, tokenizer = tiny_lora
+    cfg = grpo_cfg(beta=0.04)
+    variant = losses.VARIANTS["grpo"]
+    prompts = ["12+7=", "5+93=", "1+1=", "40+2="]
+    base = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
+    batch = rollout(base, tokenizer, prompts, sampling(cfg), seed=5)
+    advantages = torch.tensor([1.0, -0.5, 0.25, -0.75])
+    mask = batch.mask.float()
+    counts = losses.step_counts(mask, torch.tensor([0, 0, 1, 1]), cfg.generation.max_new_tokens)
+
+    def updated(logits_budget: int) -> tuple[list[torch.Tensor], int]:
+        monkeypatch.setattr(policy_module, "LOGITS_PER_MICRO_BATCH", logits_budget)
+        policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
+        optimizer = torch.optim.AdamW(policy.params, lr=1e-2)
+        record = grpo._update(cfg, variant, policy, optimizer, batch, advantages, mask, counts, 0)
+        return [p.detach().clone() for p in policy.params], record["micro_batches"]
+
+    whole, one = updated(2**40)
+    split, four = updated(1)  # under one row's logits: a row per micro-batch
+    assert (one, four) == (1, 4)
+    moved = [not torch.equal(a, b.detach()) for a, b in zip(whole, base.params, strict=True)]
+    assert any(moved)  # the step did something to compare
+    for a, b in zip(whole, split, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -46,6 +46,7 @@ from essa.gradient.policy import (
     Rollout,
     Sampling,
     merge,
+    micro_batches,
     rollout,
     rollout_from_ids,
     select,
@@ -128,7 +129,7 @@ def rollout_entropy(
     Micro-batched as the update is (``grpo.grad_accumulation``), so it fits where training does.
     """
     t = out.completion_ids.shape[1]
-    rows = [r for r in torch.arange(len(out.texts)).chunk(grad_accumulation) if r.numel()]
+    rows = micro_batches(policy.model, len(out.texts), t, grad_accumulation)
     parts = []
     with policy.inference():
         for r in rows:

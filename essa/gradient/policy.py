@@ -5,6 +5,7 @@ SFT reference), rollouts (sampled completions with their masks) and token log-pr
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,6 +311,34 @@ def token_logprobs(
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = token_entropy(logp_all)  # (B, T)
     return logp.cpu(), entropy.cpu()
+
+
+# Logit elements (rows x positions x vocabulary) one micro-batch may hold. token_logprobs keeps a
+# few fp32 (b, T, V) tensors alive through the backward: 2^27 elements is 512 MiB each, which
+# bounds a step to a few GiB whatever the completion length. A tool transcript runs to hundreds
+# of tokens where a bare answer is a dozen, and 64 such rows over a 49k vocabulary held ~19 GB.
+LOGITS_PER_MICRO_BATCH = 2**27
+
+
+def vocab_size(model: Any) -> int:
+    """Rows of the model's LM head (the V of its logits)."""
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+
+
+def micro_batches(
+    model: Any, rows: int, completion_tokens: int, at_least: int = 1
+) -> list[torch.Tensor]:
+    """Row indices of a step's micro-batches: ``at_least`` of them (``grpo.grad_accumulation``),
+    more where one would hold over LOGITS_PER_MICRO_BATCH logits.
+
+    The losses divide by the whole step's counts (``losses.Counts``), so the update is the same
+    however the rows are split; only the order of the gradient's sums changes.
+    """
+    per_row = (completion_tokens + 1) * vocab_size(model)
+    most = max(1, LOGITS_PER_MICRO_BATCH // per_row)
+    n = max(at_least, math.ceil(rows / most))
+    return [c for c in torch.arange(rows).chunk(n) if c.numel()]
 
 
 def sampling_processors(entropy_floor: float, temperature: float) -> tuple[Any, float]:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from essa.config import GRPOConfig, PrimeConfig
 from essa.gradient.checkpoint import Trained
-from essa.gradient.policy import Policy, Rollout, select, token_logprobs
+from essa.gradient.policy import Policy, Rollout, micro_batches, select, token_logprobs
 from essa.gradient.schedule import clip_gradients
 
 WHITEN_EPS = 1e-8  # verl masked_whiten
@@ -154,9 +154,7 @@ class ImplicitPRM:
 
         ``g``: grpo.grad_accumulation (micro-batches) and grpo.max_grad_norm (the clip)."""
         t = batch.completion_ids.shape[1]
-        chunks = [
-            c for c in torch.arange(batch.mask.shape[0]).chunk(g.grad_accumulation) if c.numel()
-        ]
+        chunks = micro_batches(policy.model, batch.mask.shape[0], t, g.grad_accumulation)
         labels = outcome.flatten()  # (B,)
         labelled = int((~torch.isnan(labels)).sum())
         with torch.no_grad(), policy.frozen_reference():

@@ -62,7 +62,7 @@ from essa.gradient import checkpoint, losses, replay
 from essa.gradient.data import TaskData
 from essa.gradient.heldout import baseline_state, heldout_accuracy
 from essa.gradient.optim import make_optimizer
-from essa.gradient.policy import Policy, Rollout, Sampling, token_logprobs
+from essa.gradient.policy import Policy, Rollout, Sampling, micro_batches, token_logprobs
 from essa.gradient.prm_credit import with_step_credit
 from essa.gradient.sampling import sample_groups, temperature_at, training_batch
 from essa.gradient.schedule import clip_gradients, lr_factor
@@ -258,7 +258,7 @@ def _update(
     g = cfg.grpo
     beta = variant.beta if g.beta is None else g.beta
     t = batch.completion_ids.shape[1]
-    chunks = [c for c in torch.arange(mask.shape[0]).chunk(g.grad_accumulation) if c.numel()]
+    chunks = micro_batches(policy.model, mask.shape[0], t, g.grad_accumulation)
     temperature = temperature_at(step, g)  # log-probs of the distribution that sampled
     completion_tokens = int(batch.mask.sum())
     use_bonus = g.entropy.coef != 0.0
@@ -305,7 +305,7 @@ def _update(
             )
         norm = clip_gradients(policy.params, g.max_grad_norm)
         optimizer.step()
-    return {**totals, "grad_norm": norm}
+    return {**totals, "grad_norm": norm, "micro_batches": len(chunks)}
 
 
 def _accumulate(
