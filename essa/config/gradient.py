@@ -97,7 +97,7 @@ class GRPOConfig:
     lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"  # over run.generations
     lr_warmup_steps: int = 0
     max_grad_norm: float = 1.0  # 0: no clipping
-    grad_accumulation: int = 1  # micro-batches per optimizer step (memory only: same update)
+    grad_accumulation: int = 1  # micro-batches per step, at least (memory only: same update)
     trainable: Literal["lora", "singular_values", "lisa"] = "lora"  # singular_values: SVD-GRPO
     lisa: LisaConfig = field(default_factory=LisaConfig)  # trainable: lisa (SFT LoRA merged first)
     overlong_buffer: int = 0  # DAPO soft overlong punishment L_cache in tokens (0: off)
