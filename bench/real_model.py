@@ -19,7 +19,7 @@ a fresh process, from ``configs/smollm2.yaml`` with only the task swapped in:
   seconds and generated tokens (``essa.compare``), and peak memory (RSS).
 
 Writes bench/results/real_model.json, real_model.md (the table in docs/results.md; ``--out NAME`` writes
-NAME.json/.md instead) and one real_model_<task>.png per task (the first GRPO seed's). Sizes
+NAME.json/.md instead) and one <OUT>_<task>.png per task (the first GRPO seed's). Sizes
 come from the config: held-out items per task (``--set data.test_size=N``), generations and the
 20-minute budget (``run.max_wall_seconds``).
 Everything the runs print goes to <root>/<task>/*.log.
@@ -427,7 +427,7 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
         result["grpo"] = grpo_runs[0]  # the first GRPO seed: the plot's
         result["grpo_runs"] = grpo_runs
         result["essa_vs_grpo"] = pooled(grpo_runs, "essa_vs_grpo")
-        plot_task(task, runs[grpo_at[0]], grpo_runs[0], RESULTS / f"real_model_{task}.png")
+        plot_task(task, runs[grpo_at[0]], grpo_runs[0], RESULTS / f"{args.out}_{task}.png")
     for run in runs:  # per-item scores stay in the run directories
         run.pop("scores")
     return result
