@@ -80,6 +80,19 @@ def retention_source(cfg: Config) -> str | None:
     return choice
 
 
+def retention_length(cfg: Config) -> int:
+    """New tokens retention generates: the run's length, or ``drift.retention_tokens`` when
+    longer. The retention task is not the run's: the base model, in a chat template, writes a
+    sentence before its number, and at a short task's length (6 tokens on chain_sum) every such
+    answer was cut and scored 0.
+
+    >>> from essa.config import load_config
+    >>> retention_length(load_config(None, ["generation.max_new_tokens=6"]))
+    32
+    """
+    return max(cfg.generation.new_tokens, cfg.evaluation.drift.retention_tokens)
+
+
 def offtask_prompts(train_source: str, n: int, tokenizer: Any) -> list[str]:
     """``n`` off-task prompts, the same for every run on the same task and tokenizer.
 
@@ -511,7 +524,8 @@ def _model_parts(
         from essa.data.loaders import builtin_examples
 
         examples = builtin_examples(source)[1][: d.items]
-        report["retention"] = retention(models, examples, render(examples), cfg.generation, source)
+        gen = replace(cfg.generation, max_new_tokens=retention_length(cfg))
+        report["retention"] = retention(models, examples, render(examples), gen, source)
     items = list(test[: d.items])
     if d.samples >= 2 and items:
         gen = replace(cfg.generation, temperature=d.temperature)

@@ -179,3 +179,35 @@ def test_retention_source_and_its_check() -> None:
     assert drift.retention_source(load_config(None, ["evaluation.drift.items=0"])) is None
     with pytest.raises(ConfigError, match="evaluation.drift.retention"):
         load_config(None, ["evaluation.drift.retention=gsm8k"])
+
+
+def test_retention_generates_past_a_short_task_length(tiny_model_dir: Path) -> None:
+    """A 2-token task still gets retention_tokens for retention (another task, maybe worded
+    answers); the run's own length applies when it is the longer."""
+    from dataclasses import replace
+
+    from essa.config import Config, DataConfig, GenerationConfig
+
+    base, tokenizer, adapter = svd_setup(tiny_model_dir)
+    lengths: list[int] = []
+
+    class Recording(drift.PopulationModels):
+        def generate(self, prompts, gen, names, **kwargs):  # type: ignore[no-untyped-def]
+            lengths.append(gen.max_new_tokens)
+            return super().generate(prompts, gen, names, **kwargs)
+
+    def run(max_new_tokens: int) -> dict[str, Any]:
+        cfg = Config(
+            data=DataConfig(source="builtin:arithmetic", template="raw"),
+            generation=GenerationConfig(max_new_tokens=max_new_tokens),
+        )
+        d = replace(cfg.evaluation.drift, prompts=0, items=3, samples=0, retention_tokens=5)
+        cfg = replace(cfg, evaluation=replace(cfg.evaluation, micro_batch_size=4, drift=d))
+        models = Recording(base, tokenizer, adapter, np.zeros(adapter.dim), 4)
+        return drift.measure(cfg, models, tokenizer, [], None)
+
+    report = run(2)
+    assert lengths == [5] and report["retention"]["items"] == 3
+    assert report["retention"]["source"] == "builtin:arithmetic_mixed"
+    run(7)
+    assert lengths == [5, 7]

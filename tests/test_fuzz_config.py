@@ -219,6 +219,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "evaluation.every": NONNEG,
     "evaluation.drift.prompts": NONNEG,
     "evaluation.drift.tokens": AT_LEAST_1,
+    "evaluation.drift.retention_tokens": AT_LEAST_1,
     "evaluation.drift.items": NONNEG,
     "evaluation.drift.samples": NONNEG,
     "evaluation.drift.temperature": POSITIVE,

@@ -23,6 +23,9 @@ class DriftConfig:
     # auto: builtin:arithmetic_mixed, or builtin:arithmetic when that is the training task.
     retention: str = "auto"
     items: int = 64  # held-out items for retention and for pass@K; 0: neither
+    # Retention generates up to max(this, generation.max_new_tokens): a model that words its
+    # answer (the base model in a chat template) must not be cut before it gets to it.
+    retention_tokens: int = 32
     samples: int = 4  # K completions per held-out item for pass@K, maj@K, mean@K; < 2: none
     temperature: float = 1.0  # pass@K's sampling temperature
     # Off-task KL and the update size at every held-out pass too (metrics.jsonl, trackers); the
@@ -80,8 +83,9 @@ def _check_heldout_metric(metric: str | None) -> None:
 def _check_drift(d: DriftConfig) -> None:
     from essa.data.loaders import BUILTIN_SOURCES
 
-    if d.tokens < 1:
-        raise ConfigError(f"evaluation.drift.tokens: must be >= 1, got {d.tokens}")
+    for key, value in (("tokens", d.tokens), ("retention_tokens", d.retention_tokens)):
+        if value < 1:
+            raise ConfigError(f"evaluation.drift.{key}: must be >= 1, got {value}")
     if not d.temperature > 0:
         raise ConfigError(f"evaluation.drift.temperature: must be > 0, got {d.temperature}")
     if d.retention not in ("auto", "none", *BUILTIN_SOURCES):
