@@ -320,10 +320,13 @@ def token_logprobs(
 LOGITS_PER_MICRO_BATCH = 2**27
 
 
-def vocab_size(model: Any) -> int:
-    """Rows of the model's LM head (the V of its logits)."""
-    head = model.get_output_embeddings()
-    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+def vocab_size(model: Any) -> int | None:
+    """Rows of the model's LM head (the V of its logits); None when the model does not say."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and hasattr(head, "weight"):
+        return int(head.weight.shape[0])
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(size) if size else None
 
 
 def micro_batches(
@@ -335,9 +338,11 @@ def micro_batches(
     The losses divide by the whole step's counts (``losses.Counts``), so the update is the same
     however the rows are split; only the order of the gradient's sums changes.
     """
-    per_row = (completion_tokens + 1) * vocab_size(model)
-    most = max(1, LOGITS_PER_MICRO_BATCH // per_row)
-    n = max(at_least, math.ceil(rows / most))
+    v = vocab_size(model)
+    n = at_least
+    if v is not None:  # a model that does not say gets the asked number
+        most = max(1, LOGITS_PER_MICRO_BATCH // ((completion_tokens + 1) * v))
+        n = max(at_least, math.ceil(rows / most))
     return [c for c in torch.arange(rows).chunk(n) if c.numel()]
 
 
