@@ -19,7 +19,8 @@ a fresh process, from ``configs/smollm2.yaml`` with only the task swapped in:
   seconds and generated tokens (``essa.compare``), and peak memory (RSS).
 
 Writes bench/results/real_model.json, real_model.md (the table in docs/results.md; ``--out NAME`` writes
-NAME.json/.md instead) and one <OUT>_<task>.png per task (the first GRPO seed's). Sizes
+NAME.json/.md instead), OUT_drift.md (ESSA and GRPO drift reports per GRPO seed, in docs/drift.md)
+and one OUT_<task>.png per task (the first GRPO seed's). Sizes
 come from the config: held-out items per task (``--set data.test_size=N``), generations and the
 20-minute budget (``run.max_wall_seconds``).
 Everything the runs print goes to <root>/<task>/*.log.
@@ -530,6 +531,46 @@ def drift_cells(t: dict[str, Any]) -> tuple[str, str]:
     return kl_cell, f"{statistics.mean(kept['essa']):+.3f} / {statistics.mean(kept['grpo']):+.3f}"
 
 
+def drift_table(result: dict[str, Any]) -> str:
+    """Per GRPO seed, ESSA's and GRPO's drift reports side by side (both from the seed's SFT
+    adapter): gains over SFT, off-task KL to the base and SFT models, the final update's mean
+    ||dW|| / ||W0||, pass@K and retention's change from SFT; "" when no record has them."""
+    lines = [
+        "| task | seed | gain over SFT ESSA / GRPO | KL(base‖SFT) | KL(base‖tuned) ESSA / GRPO "
+        "| KL(SFT‖tuned) ESSA / GRPO | ‖ΔW‖/‖W0‖ ESSA / GRPO | pass@K ESSA / GRPO "
+        "| retention change from SFT ESSA / GRPO |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def pair(e: float | None, g: float | None, fmt: str) -> str:
+        return "-" if e is None or g is None else f"{e:{fmt}} / {g:{fmt}}"
+
+    for task, t in result["tasks"].items():
+        essa_by_seed = {r.get("seed"): r for r in t["essa"]}
+        for g in t.get("grpo_runs", []):
+            e = essa_by_seed[g["seed"]]
+            de, dg = e["summary"].get("drift") or {}, g["summary"].get("drift") or {}
+            if "kl_base" not in de or "kl_base" not in dg:
+                continue
+            k = de.get("samples", {}).get("k", "K")
+
+            def figure(d: dict[str, Any], *path: str) -> float | None:
+                for key in path:
+                    d = d.get(key, {}) if isinstance(d, dict) else {}
+                return d if isinstance(d, float | int) else None
+
+            lines.append(
+                f"| {task} | {g['seed']} | {e['essa_vs_sft']['gain']:+.3f} / "
+                f"{g['grpo_vs_sft']['gain']:+.3f} | {de['kl_base_sft']:.3f} | "
+                f"{pair(de['kl_base'], dg['kl_base'], '.3f')} | "
+                f"{pair(de.get('kl_sft'), dg.get('kl_sft'), '.3f')} | "
+                f"{pair(figure(de, 'update', 'final', 'mean'), figure(dg, 'update', 'final', 'mean'), '.4f')} | "
+                f"{pair(figure(de, 'samples', f'pass@{k}'), figure(dg, 'samples', f'pass@{k}'), '.3f')} | "
+                f"{pair(figure(de, 'retention', 'change_from_sft'), figure(dg, 'retention', 'change_from_sft'), '+.3f')} |"
+            )  # fmt: skip
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| task | base | SFT | scale baseline | ESSA | ESSA - SFT (paired SE) | gain / SE "
@@ -678,6 +719,9 @@ def main() -> None:
     command = "python -m bench.real_model " + " ".join(sys.argv[1:])
     write_result(args.out, result, command.strip())
     (RESULTS / f"{args.out}.md").write_text(table(result) + "\n")
+    drift = drift_table(result)
+    if drift:
+        (RESULTS / f"{args.out}_drift.md").write_text(drift + "\n")
     print(table(result))
 
 

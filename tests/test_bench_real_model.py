@@ -413,3 +413,36 @@ def test_replay_pins_what_depended_on_the_clock(tmp_path: Path) -> None:
         for p, g, s in [("held-out baseline", -1, [0.0, 1.0]), ("held-out", 9, [1.0, 1.0])]
     )
     assert pass_scores(text) == {("held-out baseline", -1): [0.0, 1.0], ("held-out", 9): [1.0, 1.0]}
+
+
+def test_drift_columns_pair_essa_and_grpo_per_seed() -> None:
+    """The table's drift cells pool per-prompt KL pairs over the GRPO seeds into a ratio; the
+    drift table lists each seed's two reports; records without drift reports give "-" / no row."""
+    from bench.real_model import drift_cells, drift_table
+
+    def report(kl: list[float], kept: float, update: float, pass_k: float) -> dict:
+        return {
+            "kl_base": sum(kl) / len(kl), "kl_base_sft": 0.4, "kl_sft": 0.1,
+            "kl_per_prompt": {"kl_base": kl},
+            "retention": {"change_from_sft": kept},
+            "update": {"final": {"mean": update}},
+            "samples": {"k": 4, "pass@4": pass_k},
+        }  # fmt: skip
+
+    essa = [{"seed": s, "summary": {"drift": report([0.2, 0.4], 0.0, 0.01, 0.5)},
+             "essa_vs_sft": {"gain": 0.05}} for s in (0, 1)]  # fmt: skip
+    grpo = [{"seed": s, "summary": {"drift": report([1.0, 2.0], -0.25, 0.02, 0.75)},
+             "grpo_vs_sft": {"gain": 0.06}} for s in (0, 1)]  # fmt: skip
+    t = {"essa": essa, "grpo": grpo[0], "grpo_runs": grpo}
+    kl, kept = drift_cells(t)
+    assert kl == "0.3000 / 1.5000 (0.20x ± 0.00)"  # every ESSA prompt is a fifth of GRPO's
+    assert kept == "+0.000 / -0.250"
+    rows = drift_table({"tasks": {"chain_sum": t}}).splitlines()[2:]
+    assert rows == [
+        f"| chain_sum | {s} | +0.050 / +0.060 | 0.400 | 0.300 / 1.500 | 0.100 / 0.100 | "
+        "0.0100 / 0.0200 | 0.500 / 0.750 | +0.000 / -0.250 |"
+        for s in (0, 1)
+    ]
+    old = {"essa": [{"seed": 0, "summary": {}}], "grpo": {"seed": 0, "summary": {}}}
+    assert drift_cells(old) == ("-", "-")
+    assert drift_table({"tasks": {"chain_sum": {**old, "grpo_runs": [old["grpo"]]}}}) == ""
