@@ -545,6 +545,11 @@ def drift_table(result: dict[str, Any]) -> str:
     def pair(e: float | None, g: float | None, fmt: str) -> str:
         return "-" if e is None or g is None else f"{e:{fmt}} / {g:{fmt}}"
 
+    def figure(d: dict[str, Any], *path: str) -> float | None:
+        for key in path:
+            d = d.get(key, {}) if isinstance(d, dict) else {}
+        return d if isinstance(d, float | int) else None
+
     for task, t in result["tasks"].items():
         essa_by_seed = {r.get("seed"): r for r in t["essa"]}
         for g in t.get("grpo_runs", []):
@@ -553,12 +558,6 @@ def drift_table(result: dict[str, Any]) -> str:
             if "kl_base" not in de or "kl_base" not in dg:
                 continue
             k = de.get("samples", {}).get("k", "K")
-
-            def figure(d: dict[str, Any], *path: str) -> float | None:
-                for key in path:
-                    d = d.get(key, {}) if isinstance(d, dict) else {}
-                return d if isinstance(d, float | int) else None
-
             lines.append(
                 f"| {task} | {g['seed']} | {e['essa_vs_sft']['gain']:+.3f} / "
                 f"{g['grpo_vs_sft']['gain']:+.3f} | {de['kl_base_sft']:.3f} | "

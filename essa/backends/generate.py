@@ -123,7 +123,7 @@ def generate_texts(
     seeds = None if row_seeds is None else torch.as_tensor(list(row_seeds), dtype=torch.long)
     prefix_len = shared_prefix_length(encoded) if use_prefix_cache else 0
     prefix: PrefixStates | None = None
-    if prefix_len >= MIN_PREFIX_TOKENS and fast_cache_layout(model):
+    if caches_prefix(model, prefix_len):
         prefix = prefix_states(
             model, encoded[0][:prefix_len], row_candidates, micro_batch_size, set_rows
         )
@@ -279,6 +279,12 @@ def _greedy(gen: GenerationConfig) -> GenerationConfig:
     from dataclasses import replace
 
     return replace(gen, temperature=0.0)
+
+
+def caches_prefix(model: Any, prefix_len: int) -> bool:
+    """Whether :func:`generate_texts` encodes a shared prefix of ``prefix_len`` tokens once:
+    long enough to be worth it, on a cache layout :mod:`essa.backends.cache` handles."""
+    return prefix_len >= MIN_PREFIX_TOKENS and fast_cache_layout(model)
 
 
 def shared_prefix_length(sequences: Sequence[Sequence[int]]) -> int:

@@ -226,8 +226,7 @@ def probe_costs(
     :data:`SFT_BACKWARD_FACTOR` forwards of its tokens, at the prefill's rate."""
     import torch
 
-    from essa.backends.cache import fast_cache_layout
-    from essa.backends.generate import MIN_PREFIX_TOKENS, generate_texts
+    from essa.backends.generate import caches_prefix, generate_texts
 
     gen = dataclasses.replace(cfg.generation, temperature=0.0)
     rows = [prompts[i % len(prompts)] for i in range(PROBE_ROWS)]
@@ -251,11 +250,7 @@ def probe_costs(
     per_token = max(0.0, whole - prefill) / max(1, gen.new_tokens - 1)  # decode, all rows
     decoded = min(gen.new_tokens, lengths.reference_mean + 1)
     row = (prefill + per_token * (decoded - 1)) / len(rows)
-    cached = (
-        cfg.evaluation.use_prefix_cache
-        and lengths.shared_prefix >= MIN_PREFIX_TOKENS
-        and fast_cache_layout(model)
-    )  # what generate_texts does with these rows
+    cached = cfg.evaluation.use_prefix_cache and caches_prefix(model, lengths.shared_prefix)
     computed = probe_prefill_tokens(lengths, len(rows), cached)
     prefill_rate = computed / prefill if prefill > 0 else math.inf
     sft_tokens = cfg.sft.batch_size * (lengths.prompt_mean + lengths.reference_mean + 1)
