@@ -8,8 +8,8 @@ Forward passes and generation only, offline (docs/drift.md has the formulas):
   prompt to the token after the continuation;
 * update size: ||dW||_F / ||W0||_F per adapted matrix, mean and max, for the SFT adapter and
   the tuned one (:func:`update_size`);
-* retention: greedy accuracy on a built-in task the run does not train on, for the base, the
-  SFT adapter and the tuned one;
+* retention: greedy accuracy on a task the run does not train on (built-in or reasoning-gym),
+  for the base, the SFT adapter and the tuned one;
 * diversity: pass@K, maj@K and mean@K of K sampled completions per held-out item, and the
   answer entropy per item.
 
@@ -65,7 +65,7 @@ NAMES = ("base", "sft", "tuned")
 
 
 def retention_source(cfg: Config) -> str | None:
-    """The built-in task retention is measured on (None: off).
+    """The task retention is measured on (None: off): ``builtin:NAME`` or ``reasoning_gym:TASK``.
 
     >>> from essa.config import load_config
     >>> retention_source(load_config(None, []))
@@ -408,23 +408,36 @@ def peft_updates(
     return report
 
 
+def retention_task(source: str, items: int) -> tuple[list[Example], Any]:
+    """The first ``items`` held-out examples of ``source`` and the reward that grades them: the
+    task's own scorer for ``reasoning_gym:TASK`` (at its default parameters), math accuracy for
+    a built-in task."""
+    from essa.data.gym import GYM_PREFIX
+    from essa.data.loaders import load_examples
+    from essa.rewards import get_reward
+
+    examples = load_examples(source, split="test", limit=items)
+    if source.startswith(GYM_PREFIX):
+        return examples, get_reward("gym_score", task=source.removeprefix(GYM_PREFIX))
+    return examples, get_reward("math_accuracy")
+
+
 def retention(
     models: Models,
     examples: Sequence[Example],
     prompts: Sequence[str],
     gen: GenerationConfig,
     source: str,
+    reward: Any,
 ) -> dict[str, Any]:
-    """Greedy math accuracy of each model on ``examples`` and the tuned one's changes."""
-    from essa.rewards import get_reward
-
-    reward = get_reward("math_accuracy")
+    """Greedy accuracy of each model on ``examples`` (the share ``reward`` gives full credit)
+    and the tuned one's changes."""
     answers = [e.answer for e in examples]
     texts = models.generate(prompts, replace(gen, temperature=0.0), models.names, tools=True)
     report: dict[str, Any] = {"source": source, "items": len(examples)}
     for name, completions in texts.items():
         scores = reward(completions, answers, list(prompts))
-        report[name] = sum(float(s or 0.0) for s in scores) / len(scores)
+        report[name] = sum(float(s or 0.0) >= 1.0 for s in scores) / len(scores)
     for name in ("base", "sft"):
         if name in report:
             report[f"change_from_{name}"] = report["tuned"] - report[name]
@@ -521,11 +534,9 @@ def _model_parts(
     report: dict[str, Any] = _kl_part(cfg, d, models, tokenizer)
     source = retention_source(cfg)
     if source is not None:
-        from essa.data.loaders import builtin_examples
-
-        examples = builtin_examples(source)[1][: d.items]
+        examples, grader = retention_task(source, d.items)
         gen = replace(cfg.generation, max_new_tokens=retention_length(cfg))
-        report["retention"] = retention(models, examples, render(examples), gen, source)
+        report["retention"] = retention(models, examples, render(examples), gen, source, grader)
     items = list(test[: d.items])
     if d.samples >= 2 and items:
         gen = replace(cfg.generation, temperature=d.temperature)

@@ -179,6 +179,25 @@ def test_retention_source_and_its_check() -> None:
     assert drift.retention_source(load_config(None, ["evaluation.drift.items=0"])) is None
     with pytest.raises(ConfigError, match="evaluation.drift.retention"):
         load_config(None, ["evaluation.drift.retention=gsm8k"])
+    gym = load_config(None, ["evaluation.drift.retention=reasoning_gym:gcd"])
+    assert drift.retention_source(gym) == "reasoning_gym:gcd"
+    with pytest.raises(ConfigError, match="reasoning_gym:no_such_task: no such reasoning-gym"):
+        load_config(None, ["evaluation.drift.retention=reasoning_gym:no_such_task"])
+    with pytest.raises(ConfigError, match="is the training task"):
+        load_config(None, ["data.source=builtin:arithmetic3",
+                           "evaluation.drift.retention=builtin:arithmetic3"])  # fmt: skip
+
+
+def test_a_reasoning_gym_retention_task_is_graded_by_its_own_scorer() -> None:
+    """Held-out items of the gym task, graded with the task's score_answer: its own answers get
+    full credit, a wrong one none (gym's partial credit for a wrong answer counts as wrong)."""
+    examples, grader = drift.retention_task("reasoning_gym:gcd", 5)
+    prompts = [e.prompt for e in examples]
+    answers = [e.answer for e in examples]
+    assert len(examples) == 5
+    assert grader([f"<answer>{a}</answer>" for a in answers], answers, prompts) == [1.0] * 5
+    wrong = [f"<answer>{int(a) + 1}</answer>" for a in answers]
+    assert all(float(s or 0.0) < 1.0 for s in grader(wrong, answers, prompts))
 
 
 def test_retention_generates_past_a_short_task_length(tiny_model_dir: Path) -> None:
@@ -209,5 +228,6 @@ def test_retention_generates_past_a_short_task_length(tiny_model_dir: Path) -> N
     report = run(2)
     assert lengths == [5] and report["retention"]["items"] == 3
     assert report["retention"]["source"] == "builtin:arithmetic_mixed"
+    assert {"base", "sft", "tuned", "change_from_base"} <= set(report["retention"])
     run(7)
     assert lengths == [5, 7]

@@ -19,7 +19,8 @@ class DriftConfig:
 
     prompts: int = 32  # off-task prompts for KL(base || tuned) and KL(SFT || tuned); 0: no KL
     tokens: int = 16  # the base model's greedy continuation of each, teacher-forced
-    # Retention: greedy accuracy on a built-in task the run does not train on (builtin:NAME);
+    # Retention: greedy accuracy on a task the run does not train on, a built-in one
+    # (builtin:NAME) or a reasoning-gym one at its default parameters (reasoning_gym:TASK);
     # auto: builtin:arithmetic_mixed, or builtin:arithmetic when that is the training task.
     retention: str = "auto"
     items: int = 64  # held-out items for retention and for pass@K; 0: neither
@@ -88,8 +89,24 @@ def _check_drift(d: DriftConfig) -> None:
             raise ConfigError(f"evaluation.drift.{key}: must be >= 1, got {value}")
     if not d.temperature > 0:
         raise ConfigError(f"evaluation.drift.temperature: must be > 0, got {d.temperature}")
-    if d.retention not in ("auto", "none", *BUILTIN_SOURCES):
+    if d.retention.startswith(GYM_RETENTION):
+        _check_gym_task(d.retention.removeprefix(GYM_RETENTION))
+    elif d.retention not in ("auto", "none", *BUILTIN_SOURCES):
         raise ConfigError(
-            f"evaluation.drift.retention: {d.retention!r} is not auto, none or one of "
-            f"{', '.join(BUILTIN_SOURCES)}"
+            f"evaluation.drift.retention: {d.retention!r} is not auto, none, "
+            f"{GYM_RETENTION}TASK or one of {', '.join(BUILTIN_SOURCES)}"
         )
+
+
+GYM_RETENTION = "reasoning_gym:"
+
+
+def _check_gym_task(task: str) -> None:
+    """A reasoning-gym retention task exists (checked at load: retention runs after SFT)."""
+    where = f"evaluation.drift.retention: {GYM_RETENTION}{task}"
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ConfigError(f"{where} needs reasoning-gym (pip install 'essa-align[gym]')") from None
+    if task not in reasoning_gym.factory.DATASETS:
+        raise ConfigError(f"{where}: no such reasoning-gym task")

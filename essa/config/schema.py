@@ -100,6 +100,17 @@ def check_values(cfg: Config) -> None:
     _check_vllm(cfg)
     _check_tool_rollouts(cfg)
     _check_drift_budget(cfg)
+    _check_retention_task(cfg)
+
+
+def _check_retention_task(cfg: Config) -> None:
+    """Retention measures what a run may forget: a task it trains on cannot show that."""
+    retention = cfg.evaluation.drift.retention
+    if retention == cfg.data.source:
+        raise ConfigError(
+            f"evaluation.drift.retention: {retention} is the training task (data.source); "
+            "retention is measured on a task the run does not train on"
+        )
 
 
 def _check_drift_budget(cfg: Config) -> None:
