@@ -19,6 +19,14 @@ baseline ``pool`` train on a 128-prompt pool and are paired with ``pool``::
 Their rows also give rows generated, rows per point of held-out gain, bench.signal's
 rows-to-threshold ratio (baseline / arm) and the prompts skipped and hinted.
 
+Where every run has a drift report (docs/drift.md), the table adds the final solutions'
+off-task KL(base || tuned) and its ratio to the baseline arm's and to the archived GRPO runs'
+of the same seeds (``bench.real_model --grpo-seeds``, same SFT adapter), per-prompt pairs pooled
+over seeds with a delta-method SE. The drift-budget arms (``drift_anchor``,
+``drift_kl_penalty``) are measured that way::
+
+    python -m bench.real_model_ablation --arms drift_anchor --out real_model_drift_budget --reuse
+
 Writes bench/results/real_model_ablation.json and .md (chain_sum), or
 real_model_ablation_<task>.json and .md for another task, or ``--out NAME``.json and .md.
 """
@@ -34,7 +42,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_result
-from bench.real_model import ALL_TASKS, essa_seed, paired, task_config
+from bench.real_model import (
+    ALL_TASKS,
+    ARCHIVE,
+    essa_seed,
+    kl_ratio,
+    paired,
+    read_archive,
+    task_config,
+)
 from bench.signal import curve, geomean, rows_per_step, rows_ratio
 
 RESULTS = Path("bench/results")
@@ -66,6 +82,10 @@ ARMS: dict[str, list[str]] = {
     ],  # fmt: skip
     # base weights in bitsandbytes INT8: faster generations on CPU, different rounding
     "int8": ["model.quantization=int8"],
+    # the search's drift budget (docs/drift.md): weight decay toward the SFT point, and a
+    # penalty on the anchor set's off-task KL; compared on off-task KL too (below)
+    "drift_anchor": ["optimizer.drift_budget.anchor=1"],
+    "drift_kl_penalty": ["optimizer.drift_budget.kl_penalty=10"],
     # GRESO and hints on the real model: the per-prompt switches need prompts that come back, so these
     # arms share a 128-prompt training pool (35 generations x 32 prompts: ~9 visits each) and
     # are compared with `pool` (`--baseline pool`), not with the default's full pool, where a
@@ -75,7 +95,7 @@ ARMS: dict[str, list[str]] = {
     "pool_hints": [*POOL, "data.hints.after=2"],
 }
 
-ABLATION = [a for a in ARMS if not a.startswith("pool")]  # the default --arms: deliverable 2
+ABLATION = [a for a in ARMS if not a.startswith(("pool", "drift"))]  # the default --arms
 
 
 def gain_per_minute(run: dict[str, Any]) -> float:
@@ -122,7 +142,9 @@ def rows_summary(arm: list[dict], base: list[dict]) -> dict[str, Any]:
     }
 
 
-def summarise(arm: list[dict], default: list[dict]) -> dict[str, Any]:
+def summarise(
+    arm: list[dict], default: list[dict], grpo: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     diffs = [
         paired(a["scores"]["final"], d["scores"]["final"])
         for a, d in zip(arm, default, strict=True)
@@ -139,7 +161,58 @@ def summarise(arm: list[dict], default: list[dict]) -> dict[str, Any]:
         "wall_seconds": [r["summary"]["wall_seconds"] for r in arm],
         "peak_rss_mb": [r["summary"].get("peak_rss_mb") for r in arm],
         "generations": [r["summary"].get("generations") for r in arm],  # done in the budget
+        "drift": drift_summary(arm, default, grpo),
     }
+
+
+def drift_reports(runs: list[dict]) -> list[dict[str, Any]] | None:
+    """The final drift report of each run; None unless every run has per-prompt KL."""
+    reports = [r["summary"].get("drift") or {} for r in runs]
+    return reports if all("kl_per_prompt" in d for d in reports) else None
+
+
+def archived_grpo(task: str, seeds: list[int]) -> list[dict[str, Any]] | None:
+    """The drift reports of the archived GRPO runs of ``seeds`` (bench.real_model's, from each
+    seed's SFT adapter); None unless every seed has one."""
+    records = read_archive(ARCHIVE / f"{task}.jsonl.xz")
+    runs = []
+    for seed in seeds:
+        record = records.get(f"grpo-seed{seed}")
+        if record is None:
+            return None
+        runs.append({"summary": json.loads(record["files"]["summary.json"])})
+    return drift_reports(runs)
+
+
+def drift_summary(
+    arm: list[dict], base: list[dict], grpo: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    """Mean off-task KL(base || tuned) and KL(SFT || tuned) of the arm's final solutions, and the
+    KL ratio to the baseline arm's and to GRPO's ({} without drift reports)."""
+    mine, theirs = drift_reports(arm), drift_reports(base)
+    if mine is None:
+        return {}
+
+    def ratio(others: list[dict[str, Any]]) -> dict[str, float]:
+        pairs = [
+            pair
+            for a, b in zip(mine, others, strict=True)
+            for pair in zip(
+                a["kl_per_prompt"]["kl_base"], b["kl_per_prompt"]["kl_base"], strict=True
+            )
+        ]
+        return kl_ratio(pairs)
+
+    out: dict[str, Any] = {
+        "kl_base": statistics.mean(d["kl_base"] for d in mine),
+        "kl_sft": statistics.mean(d["kl_sft"] for d in mine if "kl_sft" in d),
+    }
+    if theirs is not None:
+        out["kl_vs_baseline"] = ratio(theirs)
+    if grpo is not None:
+        out["kl_vs_grpo"] = ratio(grpo)
+        out["grpo_kl_base"] = statistics.mean(d["kl_base"] for d in grpo)
+    return out
 
 
 def _mean_or_dash(values: list[float | None], spec: str) -> str:
@@ -147,14 +220,29 @@ def _mean_or_dash(values: list[float | None], spec: str) -> str:
     return format(statistics.mean(known), spec) if known else "-"
 
 
+def drift_cells(d: dict[str, Any], is_baseline: bool) -> str:
+    def ratio(key: str) -> str:
+        r = d.get(key)
+        return "-" if r is None else f"{r['ratio']:.2f}x ± {r['se']:.2f}"
+
+    vs_base = "-" if is_baseline else ratio("kl_vs_baseline")
+    return f" {d['kl_base']:.3f} | {d['kl_sft']:.3f} | {vs_base} | {ratio('kl_vs_grpo')} |"
+
+
 def table(result: dict[str, Any]) -> str:
     base = result.get("baseline", "default")
     signal = all("rows" in s for s in result["summary"].values())
+    drift = all(s.get("drift") for s in result["summary"].values())
     extra = " rows per point of gain | rows-to-threshold (per seed) | skipped | hinted |"
+    extra_drift = f" KL(base‖tuned) | KL(SFT‖tuned) | KL vs {base} | KL vs GRPO |"
     lines = [
         "| arm | change | SFT | final | gain over SFT | gain per minute | "
-        f"vs {base} (paired SE) | generations | peak RSS MB |" + (extra if signal else ""),
-        "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if signal else ""),
+        f"vs {base} (paired SE) | generations | peak RSS MB |"
+        + (extra if signal else "")
+        + (extra_drift if drift else ""),
+        "|---|---|---|---|---|---|---|---|---|"
+        + ("---|---|---|---|" if signal else "")
+        + ("---|---|---|---|" if drift else ""),
     ]
     for arm, s in result["summary"].items():
         change = ", ".join(f"`{c}`" for c in ARMS[arm]) or "(configs/smollm2.yaml)"
@@ -174,6 +262,8 @@ def table(result: dict[str, Any]) -> str:
             line += (
                 f" {per_gain} | {ratio} | {s['prompts_skipped']:.0f} | {s['prompts_hinted']:.0f} |"
             )
+        if drift:
+            line += drift_cells(s["drift"], arm == base)
         lines.append(line)
     return "\n".join(lines)
 
@@ -205,11 +295,12 @@ def main() -> None:
                   flush=True)  # fmt: skip
             run["signal"] = prompt_signal(Path(run["run_dir"]), run["accuracy"]["final"])
             runs[arm].append(run)
+    grpo = archived_grpo(args.task, args.seeds)
     result = {
         "task": args.task,
         "arms": {a: ARMS[a] for a in arms},
         "baseline": args.baseline,
-        "summary": {a: summarise(runs[a], runs[args.baseline]) for a in arms},
+        "summary": {a: summarise(runs[a], runs[args.baseline], grpo) for a in arms},
         "runs": {
             a: [{k: v for k, v in r.items() if k != "scores"} for r in rs] for a, rs in runs.items()
         },  # fmt: skip

@@ -192,6 +192,40 @@ def test_ablation_arms_are_paired_with_the_default_of_their_seed() -> None:
     assert ARMS["default"] == []
 
 
+def test_drift_arms_report_off_task_kl_against_the_baseline_and_grpo() -> None:
+    """With drift reports on every run, an ablation row gains KL(base||tuned), KL(SFT||tuned) and
+    the KL ratios (per-prompt pairs pooled over seeds) to the baseline arm and to GRPO."""
+    from bench.real_model_ablation import ABLATION, ARMS, summarise
+    from bench.real_model_ablation import table as ablation_table
+
+    def run(kl: list[float], kl_sft: float) -> dict:
+        drift = {"kl_base": sum(kl) / len(kl), "kl_sft": kl_sft, "kl_per_prompt": {"kl_base": kl}}
+        return {
+            "scores": {"sft": [0, 1], "final": [1, 1]},
+            "accuracy": {"sft": 0.5, "final": 1.0},
+            "essa_vs_sft": paired([1, 1], [0, 1]),
+            "summary": {"wall_seconds": 600, "generations": 30, "drift": drift},
+        }
+
+    default = [run([0.4, 0.8], 0.2), run([0.6, 1.0], 0.2)]
+    anchor = [run([0.2, 0.4], 0.05), run([0.3, 0.5], 0.05)]
+    grpo = [r["summary"]["drift"] for r in [run([0.4, 0.4], 0.1), run([0.4, 0.4], 0.1)]]
+    s = summarise(anchor, default, grpo)["drift"]
+    assert s["kl_base"] == pytest.approx(0.35) and s["kl_sft"] == pytest.approx(0.05)
+    assert s["kl_vs_baseline"]["ratio"] == pytest.approx(1.4 / 2.8)
+    assert s["kl_vs_grpo"]["ratio"] == pytest.approx(1.4 / 1.6)
+    assert s["kl_vs_grpo"]["n"] == 4 and s["kl_vs_grpo"]["se"] > 0
+    assert "drift_anchor" in ARMS and "drift_anchor" not in ABLATION
+    text = ablation_table({"summary": {"default": summarise(default, default, grpo),
+                                       "drift_anchor": summarise(anchor, default, grpo)}})  # fmt: skip
+    assert "| KL(base‖tuned) | KL(SFT‖tuned) | KL vs default | KL vs GRPO |" in text
+    assert "| 0.350 | 0.050 | 0.50x ± " in text  # the anchor arm's row
+    assert "| 0.700 | 0.200 | - | 1.75x ± " in text  # the baseline's: no ratio to itself
+    # without drift reports the table keeps its columns
+    plain = [{**r, "summary": {"wall_seconds": 600, "generations": 30}} for r in default]
+    assert "KL vs" not in ablation_table({"summary": {"default": summarise(plain, plain)}})
+
+
 def test_real_model_signal_arms_count_rows_and_compare_with_their_baseline(tmp_path: Path) -> None:
     """The per-prompt switches' real-model arms: rows, the curve with the final
     appended, skip/hint counts, rows per point of gain and rows-to-threshold against `pool`."""
