@@ -126,6 +126,24 @@ def test_the_largest_generation_that_fits_the_target_is_planned(row: float) -> N
     assert plan.generations == min(40, int(search / (plan.population * plan.prompts * row)))
 
 
+def test_the_drift_budgets_kl_forward_is_costed_in_each_generation() -> None:
+    """kl_penalty/kl_budget add a teacher-forced forward of population x anchor prompts rows to
+    each generation, at the probe's prefill rate; the anchor alone (no forward) costs nothing."""
+    from essa.es.plan import ANCHOR_TEXT_TOKENS
+
+    costs = Costs(row=0.05, sft_step=1.5, spent=10, prefill_token=0.001)
+    args = {"test_items": 500, "train_items": 5000, "lengths": lengths(14)}
+    plain = make_plan(plan_inputs(real_cfg()), costs, **args)
+    anchored = make_plan(plan_inputs(real_cfg("optimizer.drift_budget.anchor=1")), costs, **args)
+    kl = make_plan(plan_inputs(real_cfg("optimizer.drift_budget.kl_penalty=10")), costs, **args)
+    assert anchored == plain
+    per_generation = kl.seconds["generations"] / kl.generations
+    rows = kl.population * kl.prompts * 0.05
+    forward = kl.population * 8 * (58 + ANCHOR_TEXT_TOKENS + 16) * 0.001  # shared prefix 58
+    assert per_generation == pytest.approx(rows + forward, abs=0.01)
+    assert kl.generations < plain.generations
+
+
 def test_mpi_ranks_share_the_rows() -> None:
     cfg = real_cfg()
     costs = Costs(row=0.29, sft_step=6.6, spent=15)

@@ -32,6 +32,7 @@ class Budget:
     plan: Plan | None = None
     lengths: TaskLengths | None = None
     sft_step: float = 0.0
+    prefill_token: float = 0.0  # the probe's, kept for the re-plan (the drift budget's forward)
 
     @classmethod
     def start(
@@ -58,7 +59,12 @@ class Budget:
         with h.phase("budget probe"):
             probed = probe_costs(model, tokenizer, train_prompts, cfg, h.elapsed, lengths)
             row = _slowest(h, probed.row)
-            costs = Costs(row=row, sft_step=_slowest(h, probed.sft_step), spent=h.elapsed)
+            costs = Costs(
+                row=row,
+                sft_step=_slowest(h, probed.sft_step),
+                spent=h.elapsed,
+                prefill_token=_slowest(h, probed.prefill_token),
+            )
             sft_done = (h.run_dir / "sft_adapter" / "adapter_config.json").exists()
             plan = make_plan(
                 cfg,
@@ -69,7 +75,7 @@ class Budget:
                 lengths=lengths,
                 done=("SFT",) if sft_done else (),
             )
-        budget = cls(plan, lengths, costs.sft_step)
+        budget = cls(plan, lengths, costs.sft_step, costs.prefill_token)
         budget.announce(h, "")
         return budget
 
@@ -98,7 +104,7 @@ class Budget:
 
         part = shard(test_items, h.comm.rank, h.comm.world_size)
         row = _slowest(h, seconds / max(1, part.stop - part.start))
-        costs = Costs(row=row, sft_step=self.sft_step, spent=h.elapsed)
+        costs = Costs(row, self.sft_step, h.elapsed, self.prefill_token)
         done = ("model load", "SFT", "held-out baseline")
         first = self.plan.seconds  # what was planned for the phases already run stays
         plan = make_plan(

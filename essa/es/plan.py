@@ -64,6 +64,9 @@ SFT_CHECK_ITEMS = 32  # training examples whose loss checks SFT (never held-out 
 SFT_CHECKS = 6  # loss checks over sft.steps (every steps // SFT_CHECKS steps)
 SFT_PATIENCE = 2  # checks without improvement before SFT stops
 SFT_BACKWARD_FACTOR = 3.0  # a training step costs about 3 forwards (forward + backward)
+# An anchor prompt past the template's shared part: its off-task text (4-8 tokens on SmolLM2's
+# tokenizer, essa.drift.OFFTASK_TEXTS) and the template's closing tokens.
+ANCHOR_TEXT_TOKENS = 10
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,7 @@ class Costs:
     row: float  # one greedy row of a training prompt, generated to its end, in a micro-batch
     sft_step: float  # one SFT step (estimated from the probe's forward until SFT runs)
     spent: float  # seconds of the run before the plan (model load, probe)
+    prefill_token: float = 0.0  # one token of a teacher-forced forward, at the probe's rate
 
 
 @dataclass(frozen=True)
@@ -255,7 +259,7 @@ def probe_costs(
     prefill_rate = computed / prefill if prefill > 0 else math.inf
     sft_tokens = cfg.sft.batch_size * (lengths.prompt_mean + lengths.reference_mean + 1)
     sft_step = SFT_BACKWARD_FACTOR * sft_tokens / prefill_rate
-    return Costs(row=row, sft_step=sft_step, spent=spent)
+    return Costs(row=row, sft_step=sft_step, spent=spent, prefill_token=1.0 / prefill_rate)
 
 
 def probe_prefill_tokens(lengths: TaskLengths, rows: int, prefix_cached: bool) -> float:
@@ -349,7 +353,17 @@ def _sized(
     search = budget - fixed
 
     def generation(size: tuple[int, int]) -> float:
-        return size[0] * size[1] * samples * row
+        return size[0] * size[1] * samples * row + anchor_forward(size[0])
+
+    def anchor_forward(population: int) -> float:
+        """The drift budget's KL forward of each generation: population x anchor prompts rows,
+        teacher-forced (the template's shared part, the off-task text, the continuation)."""
+        db = o.drift_budget
+        if not db.uses_kl:
+            return 0.0
+        template = lengths.shared_prefix if lengths is not None else 0
+        tokens = population * db.prompts * (template + ANCHOR_TEXT_TOKENS + db.tokens)
+        return tokens * costs.prefill_token / world_size
 
     sizes = generation_sizes(o.population_size, min(d.batch_size, train_items), d.batch_size, o)
     target = min(TARGET_GENERATIONS, cfg.run.generations)
