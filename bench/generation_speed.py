@@ -18,7 +18,11 @@ Side by side in one run, interleaved over the repeats after an untimed warm-up:
 - ``int8``: draft, on the same base model with its linear layers in bitsandbytes INT8
   (``model.quantization: int8``), the same adapter and population. Its completions differ from
   main's (the rows that differ are counted): its held-out effect is the arm ``int8`` of
-  ``bench.real_model_ablation``, not measured here.
+  ``bench.real_model_ablation``, not measured here;
+- ``bf16``: draft, on the same base model in bfloat16 (``model.dtype: bfloat16``; the adapter's
+  low-rank path stays float32, essa.adapters.population). Its completions differ from main's
+  too, and its speed depends on the CPU: fast where it has bfloat16 matmul instructions
+  (AVX512-BF16, AMX), slow where it emulates them.
 
 The first three must give the same completions (the rows that differ are counted) and reference
 log-probs (the largest difference is recorded: rows padded to other widths round differently). The profile
@@ -42,7 +46,7 @@ import torch
 from bench.common import Row, fmt_spread, median_spread, row, write_result
 
 TARGET = 2.0  # a generation at least this many times faster than main's
-VARIANTS = ("main", "ordered", "draft", "int8")
+VARIANTS = ("main", "ordered", "draft", "int8", "bf16")
 EXACT = ("ordered", "draft")  # the variants whose completions must be main's
 PARAMS_PER_TOKEN = 106e6  # SmolLM2-135M's weights a token meets outside the embedding and LM head
 TASK_OVERRIDES = (
@@ -120,7 +124,7 @@ def _is_prefix(kwargs: dict[str, Any]) -> bool:
 
 
 def setup(args: argparse.Namespace) -> dict[str, Any]:
-    """Model (and its INT8 copy), tokenizer, SVD adapter, population, prompts, references and
+    """Model (and its INT8 and bfloat16 copies), tokenizer, SVD adapter, population, prompts, references and
     the reward."""
     from dataclasses import replace
 
@@ -150,10 +154,12 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
     population = np.asarray(make_es_optimizer(cfg.optimizer, cfg.run.seed, adapter).ask())  # (P, D)
     items = task.train[: cfg.data.batch_size]
     int8, _ = load_model(replace(cfg.model, quantization="int8"))
+    bf16, _ = load_model(replace(cfg.model, dtype="bfloat16"))
     return {
         "cfg": cfg,
         "model": base,
         "model_int8": int8,
+        "model_bf16": bf16,
         "tokenizer": tokenizer,
         "adapter": adapter,
         "population": population,
@@ -177,8 +183,8 @@ def evaluate(s: dict[str, Any], variant: str) -> tuple[dict[str, Any], Any, Any]
     from essa.backends import evaluator as module
 
     cfg = s["cfg"]
-    evaluation = replace(cfg.evaluation, reference_draft=variant in ("draft", "int8"))
-    model = s["model_int8"] if variant == "int8" else s["model"]
+    evaluation = replace(cfg.evaluation, reference_draft=variant not in ("main", "ordered"))
+    model = s.get(f"model_{variant}", s["model"])
     evaluator = module.PopulationEvaluator(
         model, s["tokenizer"], s["adapter"], cfg.generation, evaluation
     )
