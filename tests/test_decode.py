@@ -231,3 +231,26 @@ def test_multinomial_sampling_draws_as_generate_does(demo, monkeypatch) -> None:
     assert loop != generate(
         demo, monkeypatch, GenerationConfig(max_new_tokens=6), micro_batch_size=1
     )
+
+
+def test_the_lm_head_gets_contiguous_hidden_states_and_the_same_logits(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """With logits_to_keep the model slices a strided view for the LM head; load_model makes it
+    contiguous (torch's batched fallback for a strided input against a frozen weight is slow),
+    and the kept logits are those of the whole forward."""
+    from essa.backends.models import load_model
+    from essa.config import ModelConfig
+
+    model, _ = load_model(ModelConfig(name_or_path=str(tiny_model_dir)))
+    for p in model.parameters():
+        p.requires_grad_(False)  # frozen, as after SFT
+    seen: list[bool] = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(
+        lambda m, args: seen.append(args[0].is_contiguous())
+    )
+    ids = torch.randint(3, 32, (4, 9))  # (B, T)
+    with torch.no_grad():
+        kept = model(input_ids=ids, logits_to_keep=3).logits  # (B, 3, V)
+        whole = model(input_ids=ids).logits  # (B, T, V)
+    hook.remove()
+    assert seen == [True, True]
+    torch.testing.assert_close(kept, whole[:, -3:], rtol=1e-5, atol=1e-5)
