@@ -504,6 +504,19 @@ def kl_ratio(pairs: list[tuple[float, float]]) -> dict[str, float]:
     return {"ratio": ratio, "se": se, "n": len(pairs)}
 
 
+def pooled_kl_ratio(
+    mine: Sequence[dict[str, Any]], theirs: Sequence[dict[str, Any]]
+) -> dict[str, float]:
+    """:func:`kl_ratio` of two lists of drift reports paired by seed, over their per-prompt
+    KL(base || tuned) pairs pooled across the seeds."""
+    pairs = [
+        pair
+        for a, b in zip(mine, theirs, strict=True)
+        for pair in zip(a["kl_per_prompt"]["kl_base"], b["kl_per_prompt"]["kl_base"], strict=True)
+    ]
+    return kl_ratio(pairs)
+
+
 def drift_cells(t: dict[str, Any]) -> tuple[str, str]:
     """The table's drift cells, on the GRPO seeds: off-task KL(base || tuned) of ESSA and of
     GRPO with their ratio (per-prompt pairs pooled over seeds, delta-method SE), and retention's
@@ -511,19 +524,19 @@ def drift_cells(t: dict[str, Any]) -> tuple[str, str]:
     if "grpo" not in t:
         return "-", "-"
     essa_by_seed = {r.get("seed"): r for r in t["essa"]}
-    pairs, kl, kept = [], {"essa": [], "grpo": []}, {"essa": [], "grpo": []}
+    kl, kept = {"essa": [], "grpo": []}, {"essa": [], "grpo": []}
+    paired_reports: dict[str, list[dict[str, Any]]] = {"essa": [], "grpo": []}
     for g in t.get("grpo_runs", [t["grpo"]]):
         reports = {"essa": essa_by_seed[g.get("seed")]["summary"].get("drift") or {},
                    "grpo": g["summary"].get("drift") or {}}  # fmt: skip
         if not all("kl_per_prompt" in r for r in reports.values()):
             return "-", "-"
-        e, q = (reports[k]["kl_per_prompt"]["kl_base"] for k in ("essa", "grpo"))
-        pairs.extend(zip(e, q, strict=True))
         for k, r in reports.items():
+            paired_reports[k].append(r)
             kl[k].append(r["kl_base"])
             if "change_from_sft" in r.get("retention", {}):
                 kept[k].append(r["retention"]["change_from_sft"])
-    r = kl_ratio(pairs)
+    r = pooled_kl_ratio(paired_reports["essa"], paired_reports["grpo"])
     kl_cell = (f"{statistics.mean(kl['essa']):.4f} / {statistics.mean(kl['grpo']):.4f} "
                f"({r['ratio']:.2f}x ± {r['se']:.2f})")  # fmt: skip
     if not (kept["essa"] and kept["grpo"]):

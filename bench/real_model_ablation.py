@@ -46,8 +46,8 @@ from bench.real_model import (
     ALL_TASKS,
     ARCHIVE,
     essa_seed,
-    kl_ratio,
     paired,
+    pooled_kl_ratio,
     read_archive,
     task_config,
 )
@@ -195,25 +195,14 @@ def drift_summary(
     mine, theirs = drift_reports(arm), drift_reports(base)
     if mine is None:
         return {}
-
-    def ratio(others: list[dict[str, Any]]) -> dict[str, float]:
-        pairs = [
-            pair
-            for a, b in zip(mine, others, strict=True)
-            for pair in zip(
-                a["kl_per_prompt"]["kl_base"], b["kl_per_prompt"]["kl_base"], strict=True
-            )
-        ]
-        return kl_ratio(pairs)
-
     out: dict[str, Any] = {
         "kl_base": statistics.mean(d["kl_base"] for d in mine),
         "kl_sft": statistics.mean(d["kl_sft"] for d in mine if "kl_sft" in d),
     }
     if theirs is not None:
-        out["kl_vs_baseline"] = ratio(theirs)
+        out["kl_vs_baseline"] = pooled_kl_ratio(mine, theirs)
     if grpo is not None:
-        out["kl_vs_grpo"] = ratio(grpo)
+        out["kl_vs_grpo"] = pooled_kl_ratio(mine, grpo)
         out["grpo_kl_base"] = statistics.mean(d["kl_base"] for d in grpo)
     return out
 

@@ -82,6 +82,7 @@ def _check_heldout_metric(metric: str | None) -> None:
 
 
 def _check_drift(d: DriftConfig) -> None:
+    from essa.data.gym import GYM_PREFIX
     from essa.data.loaders import BUILTIN_SOURCES
 
     for key, value in (("tokens", d.tokens), ("retention_tokens", d.retention_tokens)):
@@ -89,24 +90,23 @@ def _check_drift(d: DriftConfig) -> None:
             raise ConfigError(f"evaluation.drift.{key}: must be >= 1, got {value}")
     if not d.temperature > 0:
         raise ConfigError(f"evaluation.drift.temperature: must be > 0, got {d.temperature}")
-    if d.retention.startswith(GYM_RETENTION):
-        _check_gym_task(d.retention.removeprefix(GYM_RETENTION))
+    if d.retention.startswith(GYM_PREFIX):
+        _check_gym_task(d.retention.removeprefix(GYM_PREFIX))
     elif d.retention not in ("auto", "none", *BUILTIN_SOURCES):
         raise ConfigError(
             f"evaluation.drift.retention: {d.retention!r} is not auto, none, "
-            f"{GYM_RETENTION}TASK or one of {', '.join(BUILTIN_SOURCES)}"
+            f"{GYM_PREFIX}TASK or one of {', '.join(BUILTIN_SOURCES)}"
         )
-
-
-GYM_RETENTION = "reasoning_gym:"
 
 
 def _check_gym_task(task: str) -> None:
     """A reasoning-gym retention task exists (checked at load: retention runs after SFT)."""
-    where = f"evaluation.drift.retention: {GYM_RETENTION}{task}"
+    from essa.data.gym import gym_tasks
+
+    where = f"evaluation.drift.retention: reasoning_gym:{task}"
     try:
-        import reasoning_gym
-    except ImportError:
-        raise ConfigError(f"{where} needs reasoning-gym (pip install 'essa-align[gym]')") from None
-    if task not in reasoning_gym.factory.DATASETS:
+        known = gym_tasks(f"{where} needs reasoning-gym (pip install 'essa-align[gym]')")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if task not in known:
         raise ConfigError(f"{where}: no such reasoning-gym task")

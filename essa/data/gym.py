@@ -37,21 +37,29 @@ def gym_dataset(
     ``max_terms``: the difficulty); an unknown field or a value its ``validate`` rejects is a
     ValueError naming it.
     """
-    try:
-        import reasoning_gym
-    except ImportError as error:
-        raise ValueError(
-            f"task {task!r} needs reasoning-gym (pip install reasoning-gym, or the [gym] extra)"
-        ) from error
-    known = sorted(reasoning_gym.factory.DATASETS)
+    import_error = (
+        f"task {task!r} needs reasoning-gym (pip install reasoning-gym, or the [gym] extra)"
+    )
+    known = gym_tasks(import_error)
     if task not in known:
         raise ValueError(f"unknown reasoning-gym task {task!r}; known: {', '.join(known)}")
+    import reasoning_gym
+
     params = dict(params or {})
     _check_params(task, reasoning_gym.factory.DATASETS[task][1], params)
     try:
         return reasoning_gym.create_dataset(task, size=size, seed=seed, **params)
     except (AssertionError, ValueError, TypeError) as err:  # the config's validate()
         raise ValueError(f"data.params {params}: rejected by {task}: {err}") from None
+
+
+def gym_tasks(import_error: str) -> list[str]:
+    """reasoning-gym's task names, sorted; ValueError(``import_error``) when it is not installed."""
+    try:
+        import reasoning_gym
+    except ImportError as error:
+        raise ValueError(import_error) from error
+    return sorted(reasoning_gym.factory.DATASETS)
 
 
 def _check_params(task: str, config_cls: type, params: dict[str, Any]) -> None:
