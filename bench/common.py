@@ -106,8 +106,23 @@ def write_result(
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(full, indent=2) + "\n")
+    path.write_text(record_json(full))
     return path
+
+
+def record_json(value: Any, indent: int = 0) -> str:
+    """JSON with one key per line but every list of scalars on one line: the per-generation
+    curves are most of a record, and one number a line tripled the records' size in git."""
+    pad = " " * indent
+    if isinstance(value, dict) and value:
+        items = (f'{pad} {json.dumps(str(k))}: {record_json(v, indent + 1).lstrip()}'
+                 for k, v in value.items())  # fmt: skip
+        body = ",\n".join(items)
+        return f"{pad}{{\n{body}\n{pad}}}" + ("\n" if indent == 0 else "")
+    if isinstance(value, list) and any(isinstance(v, dict | list) for v in value):
+        body = ",\n".join(record_json(v, indent + 1) for v in value)
+        return f"{pad}[\n{body}\n{pad}]" + ("\n" if indent == 0 else "")
+    return pad + json.dumps(value) + ("\n" if indent == 0 else "")
 
 
 def read_result(name: str) -> dict[str, Any] | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import generation_overhead, optimizer_timing, strategies, suite
-from bench.common import median_spread, read_result, write_result
+from bench.common import median_spread, read_result, record_json, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"row", "value", "target", "met", "note"}
@@ -238,3 +238,11 @@ def test_bench_results_in_git_stay_under_one_megabyte() -> None:
     assert len(sizes) == len(listed) > 10  # the summaries are there and every blob was sized
     total = sum(map(int, sizes))
     assert total < 1_000_000, f"bench/results holds {total:,} bytes in git (budget 1,000,000)"
+
+
+def test_record_json_round_trips_and_keeps_curves_on_one_line() -> None:
+    record = {"runs": [{"seed": 0, "curve": [0.5, 0.25, None], "tags": []}], "empty": {}, "n": 3}
+    text = record_json(record)
+    assert json.loads(text) == record
+    assert '"curve": [0.5, 0.25, null]' in text  # a list of scalars stays on one line
+    assert text.count("\n") == 11  # one key a line elsewhere, ending in a newline
