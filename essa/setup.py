@@ -103,15 +103,18 @@ def seed_everything(seed: int) -> None:
 
 def load_base_model(cfg: Config, h: Harness) -> tuple[Any, Any]:
     """(model, tokenizer) of ``cfg.model`` on this rank's device, as the "model load" phase."""
-    from essa.backends.models import load_model
+    from essa.backends.models import dtype_choice, load_model
     from essa.dist import place_rank
 
     if cfg.backend == "vllm":
         from essa.backends.vllm import require_vllm
 
         require_vllm()  # before the model loads and SFT runs
+    model_cfg = place_rank(cfg.model, h.comm)
+    if (line := dtype_choice(model_cfg)) is not None:
+        h.say(line)
     with h.phase("model load"):
-        return load_model(place_rank(cfg.model, h.comm))
+        return load_model(model_cfg)
 
 
 def load_or_train_adapter(

@@ -146,3 +146,25 @@ def test_evaluator_refuses_merged_and_auto_is_batched_in_bf16(bf16_setup, monkey
     out = auto.completions(x, prompts)
     assert auto.chosen == {len(prompts): "batched"}
     assert len(out) == 3 and all(len(c) == len(prompts) for c in out)
+
+
+@pytest.mark.parametrize(("avx512_bf16", "amx", "chosen"), [
+    (True, False, "bfloat16"), (False, True, "bfloat16"), (False, False, "float32"),
+])  # fmt: skip
+def test_fast_dtype_is_bf16_only_on_a_cpu_that_multiplies_it(  # type: ignore[no-untyped-def]
+    monkeypatch, tiny_model_dir: Path, avx512_bf16: bool, amx: bool, chosen: str
+) -> None:
+    """``model.dtype: fast`` loads the base in bfloat16 where the CPU has bf16 matmul
+    instructions and in float32 where they would be emulated. The CPU's answer is what cannot
+    be chosen here, so the two flags torch reads are set."""
+    from essa.backends.models import dtype_choice, load_model
+    from essa.config import ModelConfig
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir), dtype="fast", device="cpu")
+    model, _ = load_model(cfg)
+    assert {p.dtype for p in model.parameters()} == {getattr(torch, chosen)}
+    line = dtype_choice(cfg)
+    assert line is not None and line.startswith(f"model.dtype fast: {chosen} ")
+    assert dtype_choice(ModelConfig(dtype="bfloat16")) is None  # only fast is announced

@@ -144,6 +144,24 @@ def test_the_drift_budgets_kl_forward_is_costed_in_each_generation() -> None:
     assert kl.generations < plain.generations
 
 
+def test_search_rows_measured_dearer_than_held_out_rows_shrink_only_the_search() -> None:
+    """After the scaled start the search's rows are priced at what its rows cost (candidates on
+    training prompts with the reference tie-breaker), the held-out checks at the held-out rate."""
+    cfg = plan_inputs(real_cfg())
+    args = {"test_items": 500, "train_items": 5000}
+    done = ("model load", "SFT", "held-out baseline", "scale baseline")
+    flat = make_plan(cfg, Costs(row=0.03, sft_step=1.5, spent=200), **args, done=done)
+    dear = Costs(row=0.03, sft_step=1.5, spent=200, search_row=0.1)
+    measured = make_plan(cfg, dear, **args, done=done)
+    assert measured.seconds["scale baseline"] == flat.seconds["scale baseline"] == 0.0
+    assert (measured.checks, measured.check_items) == (flat.checks, flat.check_items)
+    assert measured.seconds["held-out"] == flat.seconds["held-out"]
+    per_generation = measured.seconds["generations"] / measured.generations
+    assert per_generation == pytest.approx(measured.population * measured.prompts * 0.1, abs=0.01)
+    assert measured.population * measured.prompts < flat.population * flat.prompts
+    assert measured.generations >= TARGET_GENERATIONS  # the sizes shrank to keep the target
+
+
 def test_mpi_ranks_share_the_rows() -> None:
     cfg = real_cfg()
     costs = Costs(row=0.29, sft_step=6.6, spent=15)
@@ -260,6 +278,7 @@ def test_a_budgeted_run_prints_its_plan_and_records_plan_vs_actual(tmp_path: Pat
     assert res.returncode == 0, res.stderr[-3000:]
     assert "plan: " in res.stdout and "plan seconds: " in res.stdout
     assert "re-measured on the held-out baseline" in res.stdout
+    assert "re-measured on the scaled start" in res.stdout
     plan = json.loads((run_dir / "plan.json").read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["plan"] == plan and summary["max_new_tokens"] == 8

@@ -80,6 +80,35 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def concrete_dtype(dtype: str, device: torch.device) -> str:
+    """``model.dtype`` with ``fast`` resolved for ``device``: bfloat16 where it multiplies
+    bfloat16 natively, float32 elsewhere. A CPU without AVX512-BF16 or AMX emulates bf16
+    matmuls, slower than fp32 (docs/inference.md, "Cheaper arithmetic")."""
+    if dtype != "fast":
+        return dtype
+    return "bfloat16" if native_bf16(device) else "float32"
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` runs bfloat16 matmuls in hardware."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return False
+
+
+def dtype_choice(cfg: ModelConfig) -> str | None:
+    """One line saying what ``model.dtype: fast`` became on this rank's device, and why; None
+    for any other value."""
+    if cfg.dtype != "fast":
+        return None
+    device = pick_device(cfg.device)
+    chosen = concrete_dtype("fast", device)
+    why = "native" if chosen == "bfloat16" else "not native"
+    return f"model.dtype fast: {chosen} (bfloat16 matmuls on {device.type} are {why})"
+
+
 def load_tokenizer(cfg: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
@@ -139,7 +168,7 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     path = checkpoint_path(cfg)
     tokenizer = load_tokenizer(cfg)
     if cfg.dtype != "auto":
-        kwargs["dtype"] = _DTYPES[cfg.dtype]
+        kwargs["dtype"] = _DTYPES[concrete_dtype(cfg.dtype, device)]
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError, pickle.UnpicklingError) as err:
@@ -185,7 +214,7 @@ def quantization_config(cfg: ModelConfig, device: torch.device) -> Any:
     from transformers import BitsAndBytesConfig
 
     bnb = _import_bitsandbytes(cfg.quantization)
-    compute = _DTYPES.get(cfg.dtype, torch.float32)
+    compute = _DTYPES.get(concrete_dtype(cfg.dtype, device), torch.float32)
     if cfg.compute_dtype != "auto":
         compute = _DTYPES[cfg.compute_dtype]
     _check_quantization_runs(bnb, cfg, device, compute)

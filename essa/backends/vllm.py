@@ -94,11 +94,14 @@ def make_engine(
         # Read by the CPU backend only (vLLM's CPU KV cache size in GiB); GPUs size it from
         # gpu_memory_utilization.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(v.kv_cache_space_gb))
+    from essa.backends.models import concrete_dtype, pick_device
+
     vllm = import_vllm()
+    dtype = concrete_dtype(settings.model.dtype, pick_device(settings.model.device))
     options: dict[str, Any] = {
         "model": model_path,
         "tokenizer": model_path,
-        "dtype": settings.model.dtype,
+        "dtype": dtype,
         "trust_remote_code": settings.model.trust_remote_code,
         "enable_lora": True,
         "max_loras": max_loras,

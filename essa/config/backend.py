@@ -13,7 +13,9 @@ from essa.config.errors import ConfigError
 class ModelConfig:
     name_or_path: str = "builtin:demo"  # local directory, hub id, or builtin:demo (bundled)
     gguf_file: str | None = None  # a .gguf file inside name_or_path (or an absolute path)
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    # auto: the checkpoint's; fast: bfloat16 where the device multiplies it natively (a CUDA GPU
+    # with bf16, a CPU with AVX512-BF16 or AMX), float32 elsewhere (essa.backends.models)
+    dtype: Literal["float32", "bfloat16", "float16", "auto", "fast"] = "float32"
     trust_remote_code: bool = False  # never on unless the config says so
     quantization: Literal["none", "int8", "int4"] = "none"  # bitsandbytes base weights ([quant])
     quant_type: Literal["nf4", "fp4"] = "nf4"  # int4 only: the 4-bit data type

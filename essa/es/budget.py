@@ -18,7 +18,7 @@ from essa.config import DataConfig, RunConfig
 
 if TYPE_CHECKING:
     from essa.data.task import Task
-    from essa.es.plan import Plan, PlanInputs, TaskLengths
+    from essa.es.plan import Costs, Plan, PlanInputs, TaskLengths
     from essa.gradient.sft import SFTLimit
     from essa.harness import Harness
 
@@ -33,6 +33,7 @@ class Budget:
     lengths: TaskLengths | None = None
     sft_step: float = 0.0
     prefill_token: float = 0.0  # the probe's, kept for the re-plan (the drift budget's forward)
+    row: float = 0.0  # the last measured cost of a held-out row (the held-out checks' price)
 
     @classmethod
     def start(
@@ -75,7 +76,7 @@ class Budget:
                 lengths=lengths,
                 done=("SFT",) if sft_done else (),
             )
-        budget = cls(plan, lengths, costs.sft_step, costs.prefill_token)
+        budget = cls(plan, lengths, costs.sft_step, costs.prefill_token, costs.row)
         budget.announce(h, "")
         return budget
 
@@ -100,12 +101,51 @@ class Budget:
         if self.plan is None or not test_items:
             return
         from essa.dist import shard
-        from essa.es.plan import Costs, make_plan
+        from essa.es.plan import Costs
 
         part = shard(test_items, h.comm.rank, h.comm.world_size)
         row = _slowest(h, seconds / max(1, part.stop - part.start))
         costs = Costs(row, self.sft_step, h.elapsed, self.prefill_token)
         done = ("model load", "SFT", "held-out baseline")
+        self._replan(cfg, h, costs, done, test_items, train_items, "the held-out baseline")
+
+    def remeasure_search(
+        self,
+        cfg: PlanInputs,
+        h: Harness,
+        seconds: float,
+        rows: int,
+        test_items: int,
+        train_items: int,
+    ) -> None:
+        """Re-size the search with the scaled start's cost per row: candidates on training
+        prompts, with the reference tie-breaker, cost more than a held-out row (1.3-1.5x on
+        chain_sum), and pricing them at the held-out rate planned 40 generations where 33
+        fit."""
+        if self.plan is None or not rows:
+            return
+        from essa.es.plan import Costs
+
+        costs = Costs(
+            self.row, self.sft_step, h.elapsed, self.prefill_token,
+            search_row=_slowest(h, seconds / rows),
+        )  # fmt: skip
+        done = ("model load", "SFT", "held-out baseline", "scale baseline")
+        self._replan(cfg, h, costs, done, test_items, train_items, "the scaled start")
+
+    def _replan(
+        self,
+        cfg: PlanInputs,
+        h: Harness,
+        costs: Costs,
+        done: tuple[str, ...],
+        test_items: int,
+        train_items: int,
+        measured_on: str,
+    ) -> None:
+        from essa.es.plan import make_plan
+
+        assert self.plan is not None
         first = self.plan.seconds  # what was planned for the phases already run stays
         plan = make_plan(
             cfg,
@@ -118,8 +158,11 @@ class Budget:
             strict=False,
         )
         planned = {k: first[k] if k in done else v for k, v in plan.seconds.items()}
-        self.plan = dataclasses.replace(plan, seconds=planned)
-        self.announce(h, " (re-measured on the held-out baseline)")
+        # The scaled start's prompts were fixed when it ran: a later re-plan keeps them.
+        start_prompts = self.plan.start_prompts if "scale baseline" in done else plan.start_prompts
+        self.plan = dataclasses.replace(plan, seconds=planned, start_prompts=start_prompts)
+        self.row = costs.row
+        self.announce(h, f" (re-measured on {measured_on})")
 
     def announce(self, h: Harness, note: str) -> None:
         """Print the plan, record it (plan.json), and give the phases their planned seconds."""

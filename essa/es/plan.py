@@ -172,6 +172,13 @@ class Costs:
     sft_step: float  # one SFT step (estimated from the probe's forward until SFT runs)
     spent: float  # seconds of the run before the plan (model load, probe)
     prefill_token: float = 0.0  # one token of a teacher-forced forward, at the probe's rate
+    # One row of the search (a candidate on a training prompt, with the reference tie-breaker
+    # and the per-row singular values); ``row`` until the scaled start has measured one.
+    search_row: float | None = None
+
+    @property
+    def train_row(self) -> float:
+        return self.row if self.search_row is None else self.search_row
 
 
 @dataclass(frozen=True)
@@ -333,6 +340,7 @@ def _sized(
     from essa.es.start import SCALE_FACTORS, SCALE_PROMPTS
 
     row = costs.row / world_size  # seconds per row of the whole run (ranks in parallel)
+    train_row = costs.train_row / world_size  # the scaled start's and the generations' rows
     o, d, e = cfg.optimizer, cfg.data, cfg.evaluation
     samples = cfg.generation.samples_per_prompt
     sft_steps = 0 if "SFT" in done or cfg.adapter.path is not None else cfg.sft.steps
@@ -340,9 +348,13 @@ def _sized(
     baseline = 0.0 if "held-out baseline" in done else test_items * row
     start_prompts = 0
     if o.start == "scale_baseline" or e.use_scale_baseline:
-        fit = int(START_SHARE * budget / (len(SCALE_FACTORS) * samples * row))
+        fit = int(START_SHARE * budget / (len(SCALE_FACTORS) * samples * train_row))
         start_prompts = min(train_items, SCALE_PROMPTS, max(MIN_START_PROMPTS, fit))
-    start = start_prompts * len(SCALE_FACTORS) * samples * row
+    start = (
+        0.0
+        if "scale baseline" in done
+        else start_prompts * len(SCALE_FACTORS) * samples * train_row
+    )
     checks = cfg.run.generations // e.every if e.every else 0
     check_items = test_items
     if checks:
@@ -353,7 +365,7 @@ def _sized(
     search = budget - fixed
 
     def generation(size: tuple[int, int]) -> float:
-        return size[0] * size[1] * samples * row + anchor_forward(size[0])
+        return size[0] * size[1] * samples * train_row + anchor_forward(size[0])
 
     def anchor_forward(population: int) -> float:
         """The drift budget's KL forward of each generation: population x anchor prompts rows,
@@ -393,7 +405,7 @@ def _sized(
         generations=generations,
         seconds={k: round(v, 1) for k, v in seconds.items()},
         lengths=lengths.as_dict() if lengths is not None else {},
-        costs={k: round(v, 4) for k, v in dataclasses.asdict(costs).items()},
+        costs={k: round(v, 4) for k, v in dataclasses.asdict(costs).items() if v is not None},
     )
 
 

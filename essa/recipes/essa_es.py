@@ -296,6 +296,8 @@ def _initial_state(
         rows = scale_rows(task.train, h.comm.rank, h.comm.world_size, n)
         # A budgeted run reports the chosen factor's held-out score only when asked to.
         report = budget.plan is None or cfg.evaluation.use_scale_baseline
+        held_out = _Timed(lambda x: heldout(x, "scale baseline held-out"))
+        start = time.perf_counter()
         with h.phase("scale baseline", rows, unit="rows") as bar:
             state["scale_baseline"] = scale_baseline(
                 evaluator,
@@ -304,13 +306,35 @@ def _initial_state(
                 train_prompts,
                 reward,
                 cfg.run.seed,
-                (lambda x: heldout(x, "scale baseline held-out")) if report else None,
+                held_out if report else None,
                 progress=bar.advance,
                 samples=cfg.generation.samples_per_prompt,
                 comm=h.comm,
                 prompts_used=n,
             )
+        seconds = time.perf_counter() - start - held_out.seconds
+        inputs = setup.plan_inputs(cfg)
+        generated = rows * cfg.generation.samples_per_prompt
+        budget.remeasure_search(inputs, h, seconds, generated, len(task.test), len(task.train))
+        if budget.plan is not None:
+            state["plan"] = budget.plan.as_dict()
     return state
+
+
+class _Timed:
+    """A held-out pass that adds up its own seconds (the scaled start's rows are timed
+    without it)."""
+
+    def __init__(self, heldout: Callable[[AdapterVector], float]) -> None:
+        self.heldout = heldout
+        self.seconds = 0.0
+
+    def __call__(self, x: AdapterVector) -> float:
+        start = time.perf_counter()
+        try:
+            return self.heldout(x)
+        finally:
+            self.seconds += time.perf_counter() - start
 
 
 def _shown(record: dict[str, Any]) -> dict[str, Any]:
