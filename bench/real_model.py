@@ -587,9 +587,10 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         "| task | base | SFT | scale baseline | ESSA | ESSA - SFT (paired SE) | gain / SE "
         "| per seed z | full credit: SFT -> ESSA (paired SE) | run s (median) "
+        "| generations made (planned) | search s actual / planned (share of run) "
         "| GRPO at equal wall-clock | peak RSS ESSA / GRPO "
         "| off-task KL(base‖tuned) ESSA / GRPO (ratio ± SE) | retention change from SFT ESSA / GRPO |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for task, t in result["tasks"].items():
         acc = {k: mean_accuracy(t["essa"], k) for k in ("sft", "scale", "final")}
@@ -608,9 +609,32 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             f"| {task} | {t['base_accuracy']:.3f} | {acc['sft']:.3f} | {scale} | "
             f"{acc['final']:.3f} | {p['gain']:+.3f} ({p['se']:.3f}) | {p['z']:.1f} | {z} | "
-            f"{strict} | {wall:.0f} | {grpo} | {mem} | {kl} | {kept} |"
+            f"{strict} | {wall:.0f} | {' | '.join(plan_cells(t['essa']))} | {grpo} | {mem} | "
+            f"{kl} | {kept} |"
         )
     return "\n".join(lines)
+
+
+def plan_cells(runs: list[dict[str, Any]]) -> tuple[str, str]:
+    """The plan against the run: generations made (planned) per seed, and the search's seconds,
+    actual / planned, with its share of the whole run (means over seeds); "-" for runs made
+    before the plan existed.
+
+    >>> run = {"summary": {"generations": 22, "wall_seconds": 1300.0, "plan": {"generations": 25},
+    ...        "phases": {"generations": {"actual": 790.0, "planned": 800.0}}}}
+    >>> plan_cells([run, run])
+    ('22 (25), 22 (25)', '790 / 800 (61%)')
+    """
+    planned = [r["summary"] for r in runs if "plan" in r["summary"]]
+    if not planned:
+        return "-", "-"
+    made = ", ".join(f"{s['generations']} ({s['plan']['generations']})" for s in planned)
+    search = [s["phases"]["generations"] for s in planned]
+    actual = statistics.mean(p["actual"] for p in search)
+    share = statistics.mean(
+        p["actual"] / s["wall_seconds"] for p, s in zip(search, planned, strict=True)
+    )
+    return made, f"{actual:.0f} / {statistics.mean(p['planned'] for p in search):.0f} ({share:.0%})"
 
 
 def replay_args(record: dict[str, Any], config: Path, run_dir: Path) -> list[str]:

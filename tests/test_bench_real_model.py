@@ -77,6 +77,23 @@ def test_table_row_from_a_result() -> None:
     assert "0.220 (ESSA +0.040 ± 0.020)" in row and "3000 / 6000 MB (0.50x)" in row
 
 
+def test_table_shows_each_runs_plan_against_what_it_made() -> None:
+    """Generations made (planned) per seed, the search's seconds actual / planned and its share
+    of the run; a run from before the plan shows "-"."""
+    from bench.real_model import plan_cells
+
+    def run(made: int, planned: int, actual: float, wall: float) -> dict:
+        search = {"actual": actual, "planned": 800.0}
+        summary = {"generations": made, "wall_seconds": wall, "plan": {"generations": planned},
+                   "phases": {"generations": search}}  # fmt: skip
+        return {"summary": summary}
+
+    made, search = plan_cells([run(22, 25, 700.0, 1400.0), run(26, 25, 900.0, 1000.0)])
+    assert made == "22 (25), 26 (25)"
+    assert search == "800 / 800 (70%)"  # shares 50% and 90%
+    assert plan_cells([{"summary": {"wall_seconds": 900.0}}]) == ("-", "-")
+
+
 def test_table_pools_grpo_over_its_seeds_and_pairs_memory_by_seed() -> None:
     """GRPO on two seeds: its mean final, ESSA - GRPO pooled over those seeds, and the peak RSS
     of each GRPO run beside the ESSA run of its own seed (seed 2's ESSA has no GRPO)."""

@@ -162,6 +162,84 @@ def test_search_rows_measured_dearer_than_held_out_rows_shrink_only_the_search()
     assert measured.generations >= TARGET_GENERATIONS  # the sizes shrank to keep the target
 
 
+def test_the_scale_baselines_held_out_pass_is_priced_when_it_runs() -> None:
+    costs = Costs(row=0.1, sft_step=1.5, spent=10)
+    args = {"test_items": 500, "train_items": 5000}
+    plain = make_plan(plan_inputs(real_cfg()), costs, **args)
+    reported = make_plan(plan_inputs(real_cfg("evaluation.use_scale_baseline=true")), costs, **args)
+    assert plain.start_prompts == reported.start_prompts
+    extra = reported.seconds["scale baseline"] - plain.seconds["scale baseline"]
+    assert extra == pytest.approx(500 * 0.1, abs=0.1)
+    assert reported.seconds["generations"] < plain.seconds["generations"]
+
+
+def test_the_search_is_priced_at_the_dearest_row_measured_before_it(tmp_path: Path) -> None:
+    """The candidates per generation are fixed once the optimizer exists, so they are sized at
+    the dearest of the probe's, the held-out baseline's and the scaled start's rows."""
+    from essa.dist import get_comm
+    from essa.es.budget import Budget
+    from essa.harness import Harness
+
+    cfg = plan_inputs(real_cfg())
+    plan = make_plan(cfg, Costs(row=0.05, sft_step=1.5, spent=10), test_items=500,
+                     train_items=5000)  # fmt: skip
+    h = Harness(real_cfg(), tmp_path, resume=False, console=None, comm=get_comm("local"))
+    h.say = lambda line: None  # type: ignore[method-assign]
+    with h:
+        for probe, scaled, dearest in [(0.2, 0.1, 0.2), (0.05, 0.3, 0.3)]:
+            budget = Budget(plan, row=0.08, probe_row=probe)
+            budget.remeasure_search(cfg, h, scaled * 448, 448, 500, 5000)
+            assert budget.plan is not None
+            assert budget.plan.costs["search_row"] == dearest
+            assert budget.plan.costs["row"] == 0.08  # the held-out checks keep their rate
+
+
+@pytest.mark.parametrize(
+    ("seconds", "expected"),
+    [(40.0, 24), (80.0, 16), (10.0, 32), (30.0, 32)],  # 16 is the floor, 32 the batch size
+)
+def test_prompts_are_resized_on_the_first_generations_cost(seconds: float, expected: int) -> None:
+    from essa.es.plan import resized_prompts
+
+    # 570 s left for 19 more generations: 30 s each; the cost is linear in prompts.
+    assert resized_prompts(32, seconds, 570.0, 19, 32, 32) == expected
+    assert resized_prompts(24, 30.0, 570.0, 19, 20, 32) == 20  # never above the training items
+    assert resized_prompts(20, 30.0, 570.0, 0, 32, 32) == 20  # the target is already made
+
+
+def test_the_search_resizes_its_prompts_and_keeps_the_new_plan(tmp_path: Path) -> None:
+    """After generation 1 the budget re-sizes the prompts on that generation's seconds: the new
+    plan is printed, written to plan.json and handed back (the recipe keeps it in its
+    checkpoint); a generation that fits changes nothing."""
+    from essa.dist import get_comm
+    from essa.es.budget import PLAN_NAME, Budget
+    from essa.harness import Harness
+
+    cfg = real_cfg()
+    plan = make_plan(
+        plan_inputs(cfg), Costs(row=0.05, sft_step=1.5, spent=10), test_items=500,
+        train_items=5000,
+    )  # fmt: skip
+    assert (plan.population, plan.prompts) == (16, 32)
+    lines: list[str] = []
+    h = Harness(cfg, tmp_path, resume=False, console=None, comm=get_comm("local"))
+    h.say = lines.append  # type: ignore[method-assign]  # the console's lines, kept
+    with h:
+        budget = Budget(plan)
+        assert budget.resize_prompts(h, 1.0, 1, 40, 32, 32) is None  # it fits: no change
+        slow = 3 * plan.budget / TARGET_GENERATIONS  # 32 prompts take 3/20 of the budget
+        resized = budget.resize_prompts(h, slow, 1, 40, 32, 32)
+    assert resized is not None and budget.plan == resized
+    assert resized.prompts == MIN_PROMPT_SHARE * 32 and resized.population == 16  # the floor
+    assert resized.generations < TARGET_GENERATIONS  # and even there the target does not fit
+    assert resized.seconds["generations"] == pytest.approx(resized.generations * slow / 2, abs=0.1)
+    assert json.loads((tmp_path / PLAN_NAME).read_text())["prompts"] == resized.prompts
+    assert lines == [
+        f"plan: {resized.prompts} prompts per generation from now on, was 32 (a generation took "
+        f"{slow:.1f} s; {resized.generations} generations fit)"
+    ]
+
+
 def test_mpi_ranks_share_the_rows() -> None:
     cfg = real_cfg()
     costs = Costs(row=0.29, sft_step=6.6, spent=15)

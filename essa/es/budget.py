@@ -34,6 +34,7 @@ class Budget:
     sft_step: float = 0.0
     prefill_token: float = 0.0  # the probe's, kept for the re-plan (the drift budget's forward)
     row: float = 0.0  # the last measured cost of a held-out row (the held-out checks' price)
+    probe_row: float = 0.0  # the probe's cost of a row (base model, micro-batch of 16)
 
     @classmethod
     def start(
@@ -76,7 +77,7 @@ class Budget:
                 lengths=lengths,
                 done=("SFT",) if sft_done else (),
             )
-        budget = cls(plan, lengths, costs.sft_step, costs.prefill_token, costs.row)
+        budget = cls(plan, lengths, costs.sft_step, costs.prefill_token, costs.row, costs.row)
         budget.announce(h, "")
         return budget
 
@@ -118,20 +119,54 @@ class Budget:
         test_items: int,
         train_items: int,
     ) -> None:
-        """Re-size the search with the scaled start's cost per row: candidates on training
-        prompts, with the reference tie-breaker, cost more than a held-out row (1.3-1.5x on
-        chain_sum), and pricing them at the held-out rate planned 40 generations where 33
-        fit."""
+        """Re-size the search before its optimizer exists, at the dearest row measured so far:
+        the scaled start's (candidates on training prompts, with the reference tie-breaker),
+        the held-out baseline's or the probe's. The candidates per generation are fixed from
+        here on, so they are sized conservatively; the prompts are re-sized on the search's
+        own first generation (:meth:`resize_prompts`). Measured: on chain_sum a search row
+        cost 1.3-1.5x a held-out row and about the scaled start's; on number_format 1.26x the
+        scaled start's and 0.98x the probe's."""
         if self.plan is None or not rows:
             return
         from essa.es.plan import Costs
 
-        costs = Costs(
-            self.row, self.sft_step, h.elapsed, self.prefill_token,
-            search_row=_slowest(h, seconds / rows),
-        )  # fmt: skip
+        search_row = max(_slowest(h, seconds / rows), self.row, self.probe_row)
+        costs = Costs(self.row, self.sft_step, h.elapsed, self.prefill_token, search_row=search_row)
         done = ("model load", "SFT", "held-out baseline", "scale baseline")
         self._replan(cfg, h, costs, done, test_items, train_items, "the scaled start")
+
+    def resize_prompts(
+        self, h: Harness, seconds: float, done: int, generations: int, most: int, batch: int
+    ) -> Plan | None:
+        """After the search's first generation (``seconds``, the slowest rank's), the prompts
+        per generation that let the target generations fit in what is left of the budget
+        (held-out checks still to come taken off); the new plan, or None when nothing
+        changes or the run has no plan."""
+        if self.plan is None:
+            return None
+        from essa.es.plan import TARGET_GENERATIONS, resized_prompts
+
+        p = self.plan
+        seconds = _slowest(h, seconds)
+        remaining = p.budget - h.elapsed - p.seconds.get("held-out", 0.0)
+        left = min(TARGET_GENERATIONS, generations) - done
+        prompts = resized_prompts(p.prompts, seconds, remaining, left, most, batch)
+        if prompts == p.prompts:
+            return None
+        per_generation = seconds * prompts / p.prompts
+        planned = min(generations, int(remaining / per_generation) + done)
+        search = {**p.seconds, "generations": round(planned * per_generation, 1)}
+        self.plan = dataclasses.replace(p, prompts=prompts, generations=planned, seconds=search)
+        h.reporter.planned.update(search)
+        h.say(
+            f"plan: {prompts} prompts per generation from now on, was {p.prompts} (a "
+            f"generation took {seconds:.1f} s; {self.plan.generations} generations fit)"
+        )
+        if h.is_root:
+            from essa.rundir import atomic_write_json
+
+            atomic_write_json(h.run_dir / PLAN_NAME, self.plan.as_dict())
+        return self.plan
 
     def _replan(
         self,

@@ -350,11 +350,11 @@ def _sized(
     if o.start == "scale_baseline" or e.use_scale_baseline:
         fit = int(START_SHARE * budget / (len(SCALE_FACTORS) * samples * train_row))
         start_prompts = min(train_items, SCALE_PROMPTS, max(MIN_START_PROMPTS, fit))
-    start = (
-        0.0
-        if "scale baseline" in done
-        else start_prompts * len(SCALE_FACTORS) * samples * train_row
-    )
+    start = 0.0
+    if "scale baseline" not in done:
+        start = start_prompts * len(SCALE_FACTORS) * samples * train_row
+        if e.use_scale_baseline:  # the chosen factor's held-out pass, on the whole split
+            start += test_items * row
     checks = cfg.run.generations // e.every if e.every else 0
     check_items = test_items
     if checks:
@@ -422,6 +422,24 @@ def generation_sizes(
     sizes = [(population, p) for p in range(prompts, floor_prompts - 1, -1)]
     sizes += [(n, floor_prompts) for n in range(population - step, floor_population - 1, -step)]
     return sizes
+
+
+def resized_prompts(
+    prompts: int, seconds: float, remaining: float, generations_left: int, most: int, batch: int
+) -> int:
+    """Prompts per generation after the search's first generation: ``prompts`` took ``seconds``,
+    and ``generations_left`` more (of the target) must fit in ``remaining`` seconds. The cost is
+    taken as linear in prompts; the result stays between :data:`MIN_PROMPT_SHARE` of
+    ``data.batch_size`` (``batch``) and ``most`` (the batch size, or fewer training items).
+
+    >>> resized_prompts(32, 40.0, 570.0, 19, 32, 32)  # 1.25 s a prompt, 30 s a generation left
+    24
+    """
+    floor = max(1, min(most, math.ceil(MIN_PROMPT_SHARE * batch)))
+    if generations_left <= 0 or seconds <= 0:
+        return max(floor, min(most, prompts))
+    fit = int(remaining * prompts / (generations_left * seconds))
+    return max(floor, min(most, fit))
 
 
 def plan_from_dict(data: dict[str, Any]) -> Plan:

@@ -128,6 +128,8 @@ def run(
                 cfg, h, evaluator, adapter, task, train_prompts, reward, heldout, budget
             )
             h.log(_baseline_record(state, adapter.dim, memory_metrics(base_bytes)))
+        batch = cfg.data.batch_size  # as configured: the plan re-sizes prompts up to it
+        most = min(batch, len(task.train))
         # The planned candidates and prompts per generation.
         cfg = setup.apply_plan(cfg, budget.adopt(h, state))
         if opt is None:
@@ -164,6 +166,12 @@ def run(
             if informative is not None:
                 state["informative"] = informative.state_dict()
             track_best(state, population, fitness)
+            if g == 0:  # the prompts per generation, re-sized on the search's own rows
+                resized = budget.resize_prompts(
+                    h, record["seconds"], 1, cfg.run.generations, most, batch
+                )
+                if resized is not None:
+                    cfg, state["plan"] = setup.apply_plan(cfg, resized), resized.as_dict()
             if h.due(g, cfg.evaluation.every):
                 record["heldout_accuracy"] = heldout(opt.mean, generation=g, items=budget.items)
                 record.update(tool_metrics(evaluator, "heldout_"))
