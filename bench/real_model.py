@@ -135,8 +135,26 @@ def write_archive(path: Path, records: dict[str, dict[str, Any]]) -> None:
     tmp = path.with_suffix(".tmp")
     with lzma.open(tmp, "wt", encoding="utf-8", preset=9) as f:
         for name in sorted(records):
-            f.write(json.dumps(records[name], sort_keys=True) + "\n")
+            record = {**records[name], "files": slim(records[name]["files"])}
+            f.write(json.dumps(record, sort_keys=True) + "\n")
     tmp.replace(path)
+
+
+# Of an archived file, the fields the bench reads back: the base model's per-item completions
+# were nine tenths of a task's archive, and only their scores are read.
+ARCHIVED_FIELDS = {"base_eval.items.jsonl": ("reward",)}
+
+
+def slim(files: dict[str, str]) -> dict[str, str]:
+    """``files`` with each JSON-lines file of :data:`ARCHIVED_FIELDS` cut to those fields."""
+    out = dict(files)
+    for name, fields in ARCHIVED_FIELDS.items():
+        if name in out:
+            rows = (json.loads(line) for line in out[name].splitlines())
+            out[name] = "".join(
+                json.dumps({k: row[k] for k in fields if k in row}) + "\n" for row in rows
+            )
+    return out
 
 
 def archived(log: Path) -> dict[str, Any] | None:

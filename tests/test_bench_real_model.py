@@ -357,6 +357,26 @@ def test_reuse_restores_an_archived_command_only_when_it_is_the_same_one(
     assert len(calls) == 3
 
 
+def test_the_archive_keeps_only_the_base_models_scores_of_its_completions(
+    tmp_path: Path,
+) -> None:
+    """An archived base_eval.items.jsonl keeps each item's reward (all the bench reads back),
+    not the prompt and completion; every other file is kept whole."""
+    import bench.real_model as rm
+
+    items = "".join(
+        json.dumps({"prompt": "p" * 200, "completion": "c" * 100, "reward": r}) + "\n"
+        for r in (1.0, 0.0, None)
+    )
+    files = {"base_eval.items.jsonl": items, "base_eval.json": '{"accuracy": 0.33}'}
+    path = tmp_path / "task.jsonl.xz"
+    rm.write_archive(path, {"base_eval": {"name": "base_eval", "command": {}, "files": files}})
+    (record,) = rm.read_archive(path).values()
+    kept = record["files"]["base_eval.items.jsonl"].splitlines()
+    assert [json.loads(x) for x in kept] == [{"reward": 1.0}, {"reward": 0.0}, {"reward": None}]
+    assert record["files"]["base_eval.json"] == files["base_eval.json"]
+
+
 def test_reuse_restores_the_record_of_an_arm_that_ran_the_same_config(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
