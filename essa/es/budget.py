@@ -157,15 +157,11 @@ class Budget:
         planned = min(generations, int(remaining / per_generation) + done)
         search = {**p.seconds, "generations": round(planned * per_generation, 1)}
         self.plan = dataclasses.replace(p, prompts=prompts, generations=planned, seconds=search)
-        h.reporter.planned.update(search)
         h.say(
             f"plan: {prompts} prompts per generation from now on, was {p.prompts} (a "
             f"generation took {seconds:.1f} s; {self.plan.generations} generations fit)"
         )
-        if h.is_root:
-            from essa.rundir import atomic_write_json
-
-            atomic_write_json(h.run_dir / PLAN_NAME, self.plan.as_dict())
+        self._record(h)
         return self.plan
 
     def _replan(
@@ -201,12 +197,17 @@ class Budget:
 
     def announce(self, h: Harness, note: str) -> None:
         """Print the plan, record it (plan.json), and give the phases their planned seconds."""
-        from essa.rundir import atomic_write_json
-
         assert self.plan is not None
         first, second = self.plan.lines()
         h.say(first + note)
         h.say(second)
+        self._record(h)
+
+    def _record(self, h: Harness) -> None:
+        """Give the phases the plan's seconds and write it to plan.json."""
+        from essa.rundir import atomic_write_json
+
+        assert self.plan is not None
         h.reporter.planned.update(self.plan.seconds)
         if h.is_root:
             atomic_write_json(h.run_dir / PLAN_NAME, self.plan.as_dict())

@@ -416,12 +416,18 @@ def generation_sizes(
     down to :data:`MIN_PROMPT_SHARE` of ``data.batch_size`` first, then candidates down to
     :data:`MIN_POPULATION_SHARE` of the population (even where pairs are antithetic)."""
     step = 2 if (o.mirrored or o.name == "openai_es") else 1
-    floor_prompts = max(1, min(prompts, math.ceil(MIN_PROMPT_SHARE * batch_size)))
+    floor_prompts = prompt_floor(prompts, batch_size)
     floor_population = max(step, math.ceil(MIN_POPULATION_SHARE * population / step) * step)
     floor_population = min(floor_population, population)
     sizes = [(population, p) for p in range(prompts, floor_prompts - 1, -1)]
     sizes += [(n, floor_prompts) for n in range(population - step, floor_population - 1, -step)]
     return sizes
+
+
+def prompt_floor(most: int, batch_size: int) -> int:
+    """The fewest prompts a generation is sized to: :data:`MIN_PROMPT_SHARE` of
+    ``data.batch_size``, at most ``most`` (the prompts available)."""
+    return max(1, min(most, math.ceil(MIN_PROMPT_SHARE * batch_size)))
 
 
 def resized_prompts(
@@ -435,7 +441,7 @@ def resized_prompts(
     >>> resized_prompts(32, 40.0, 570.0, 19, 32, 32)  # 1.25 s a prompt, 30 s a generation left
     24
     """
-    floor = max(1, min(most, math.ceil(MIN_PROMPT_SHARE * batch)))
+    floor = prompt_floor(most, batch)
     if generations_left <= 0 or seconds <= 0:
         return max(floor, min(most, prompts))
     fit = int(remaining * prompts / (generations_left * seconds))
