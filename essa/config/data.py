@@ -74,6 +74,10 @@ class RewardConfig:
     # to the greedy choice, log p(y*_t) - max_v log p(v) (margin: 0 where greedy writes y*_t,
     # so only items greedy gets wrong, by how far they are from flipping, move it).
     reference_signal: Literal["likelihood", "margin"] = "likelihood"
+    # Where the scale baseline runs (optimizer.start: scale_baseline): check the tie-breaker
+    # against the reward on the scaled factors, and search without it (weight 0) when the
+    # factor it ranks first loses the reward by > 2 paired SE (essa.es.start.reference_check).
+    reference_check: bool = True
 
 
 def check_data(d: DataConfig) -> None:

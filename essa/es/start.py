@@ -6,8 +6,8 @@ It answers "is ES doing more than turning the adapter up?" (ESSA spec §4).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 SCALE_FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 SCALE_PROMPTS = 256
+# The tie-breaker is dropped when the factor it ranks first loses the reward more than this
+# many standard errors (paired over the prompts) below the reward's own choice: one-sided 2.3%.
+REFERENCE_CHECK_Z = 2.0
 
 
 def scale_vector(adapter: SVDAdapter, factor: float) -> AdapterVector:
@@ -63,16 +66,28 @@ def scale_baseline(
     samples: int = 1,
     comm: Comm | None = None,
     prompts_used: int = SCALE_PROMPTS,
-) -> dict[str, float] | None:
+    references: Sequence[str | None] | None = None,
+) -> dict[str, Any] | None:
     """Score SCALE_FACTORS on up to ``prompts_used`` training prompts; the best one's held-out
     score when ``heldout`` is given (a budgeted run's start needs only the factor).
+
+    With ``references`` (one per ``train`` item: reward.reference_weight's references, on an
+    evaluator that teacher-forces them) the same prefill reads the tie-breaker of every
+    factor, and the result's ``reference_check`` says whether it ranks the factors the way
+    the reward does (:func:`reference_check`).
 
     Under MPI the factors are sharded across ranks like a population (every rank busy); only
     their fitness (and a population pool's answer keys) is gathered, so the choice is the
     same for any rank count. Every rank must call it.
     """
     from essa.dist import LocalComm, shard
-    from essa.es.generation import SCALE_BASELINE_SITE, draw_keys, scores
+    from essa.es.generation import (
+        SCALE_BASELINE_SITE,
+        draw_keys,
+        prompt_values,
+        reference_term,
+        scores,
+    )
 
     comm = comm or LocalComm()
 
@@ -85,7 +100,15 @@ def scale_baseline(
     mine = population[span]
     # Called on a rank with no factor too (more ranks than factors): it returns no texts and
     # clears the evaluator's per-call outputs (log-probs) the reward reads after it.
-    texts = evaluator.completions(mine, batch, seed=seed, progress=progress, samples=samples)
+    extra: dict[str, Any] = {}
+    if references is not None:
+        extra["references"] = [references[i] for i in idx]
+    texts = evaluator.completions(
+        mine, batch, seed=seed, progress=progress, samples=samples, **extra
+    )
+    dense = None
+    if references is not None:  # (p,) this rank's factors' tie-breaker terms
+        dense = reference_term(evaluator.last_reference_logprobs)  # type: ignore[attr-defined]
     keys = draw_keys(
         seed, (SCALE_BASELINE_SITE,), idx.tolist(), range(span.start, span.stop), samples
     )
@@ -105,14 +128,54 @@ def scale_baseline(
     if np.all(np.isnan(fitness)):  # the reward failed everywhere: no baseline to report
         return None
     best = preferred_factor(fitness)
-    result = {
+    result: dict[str, Any] = {
         "factor": SCALE_FACTORS[best],
         "train_fitness": float(fitness[best]),
         "prompts": len(batch),
     }
+    if dense is not None:
+        values = prompt_values(graded, len(batch), samples, evaluator.nonfinite)  # (p, N)
+        per_prompt = comm.allgather_fitness(values.ravel()).reshape(-1, len(batch))  # (8, N)
+        result["reference_check"] = reference_check(
+            fitness, comm.allgather_fitness(dense), per_prompt
+        )
     if heldout is not None:
         result["heldout_accuracy"] = heldout(population[best])
     return result
+
+
+def reference_check(
+    fitness: np.ndarray, dense: np.ndarray, per_prompt: np.ndarray
+) -> dict[str, Any]:
+    """Does the tie-breaker point where the reward does along the scaled line?
+
+    ``fitness`` (8,) is each factor's reward, ``dense`` (8,) its tie-breaker term and
+    ``per_prompt`` (8, N) its reward on each prompt. The tie-breaker's favourite factor (the
+    largest term) is compared, prompt by prompt, with the reward's choice
+    (:func:`preferred_factor`): when it loses the reward by more than REFERENCE_CHECK_Z paired
+    standard errors, the tie-breaker rewards something the reward does not (a reference's
+    surface form that right answers need not share, or plain sharpening) and ``agrees`` is
+    False. A term that is NaN everywhere (no reference scored) agrees: nothing to check.
+
+    >>> rows = np.array([[1.0] * 8 + [0.0] * 8, [1.0] * 2 + [0.0] * 14])  # factors 0.5, 1
+    >>> check = reference_check(np.array([0.5, 0.125]), np.array([-0.9, -0.4]), rows)
+    >>> check["agrees"], check["factor"], check["reward_drop"]
+    (False, 1.0, 0.375)
+    """
+    chosen = preferred_factor(fitness)
+    if not np.isfinite(dense).any():
+        return {"agrees": True, "factor": SCALE_FACTORS[chosen], "reward_drop": 0.0, "se": 0.0}
+    favoured = int(np.nanargmax(dense))
+    diff = per_prompt[favoured] - per_prompt[chosen]  # (N,)
+    diff = diff[np.isfinite(diff)]
+    drop = float(-diff.mean()) if diff.size else 0.0
+    se = float(diff.std(ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else 0.0
+    return {
+        "agrees": not (drop > 0 and drop > REFERENCE_CHECK_Z * se),
+        "factor": SCALE_FACTORS[favoured],
+        "reward_drop": round(drop, 6),
+        "se": round(se, 6),
+    }
 
 
 def scale_rows(

@@ -130,8 +130,8 @@ def run(
             h.log(_baseline_record(state, adapter.dim, memory_metrics(base_bytes)))
         batch = cfg.data.batch_size  # as configured: the plan re-sizes prompts up to it
         most = min(batch, len(task.train))
-        # The planned candidates and prompts per generation.
-        cfg = setup.apply_plan(cfg, budget.adopt(h, state))
+        # The planned candidates and prompts per generation; the tie-breaker as checked.
+        cfg = _checked_tie_breaker(setup.apply_plan(cfg, budget.adopt(h, state)), h, state)
         if opt is None:
             opt = search_optimizer(
                 cfg.optimizer, cfg.run.seed, adapter, state.get("scale_baseline")
@@ -319,6 +319,7 @@ def _initial_state(
                 samples=cfg.generation.samples_per_prompt,
                 comm=h.comm,
                 prompts_used=n,
+                references=_check_references(cfg, task.train),
             )
         seconds = time.perf_counter() - start - held_out.seconds
         inputs = setup.plan_inputs(cfg)
@@ -327,6 +328,34 @@ def _initial_state(
         if budget.plan is not None:
             state["plan"] = budget.plan.as_dict()
     return state
+
+
+def _check_references(cfg: Config, train: list[Example]) -> list[str | None] | None:
+    """The tie-breaker's reference per training item, for the scale baseline to check it
+    against the reward (reward.reference_check); None: no tie-breaker, or no check."""
+    if not (cfg.reward.reference_weight and cfg.reward.reference_check):
+        return None
+    return _tool_references(cfg, train) or [ex.answer for ex in train]
+
+
+def _checked_tie_breaker(cfg: Config, h: Harness, state: dict[str, Any]) -> Config:
+    """``cfg`` with the tie-breaker off (reward.reference_weight 0) when the scale baseline
+    found that it ranks the scaled factors against the reward (essa.es.start.reference_check).
+    The check is in the checkpointed state, so a resumed run decides the same."""
+    from dataclasses import replace
+
+    check = (state.get("scale_baseline") or {}).get("reference_check")
+    if check is None:
+        return cfg
+    line = (
+        f"its favourite scale x{check['factor']:g} scores {check['reward_drop']:.3f} "
+        f"(SE {check['se']:.3f}) below the reward's choice on the training prompts"
+    )
+    if check["agrees"]:
+        h.say(f"reference tie-breaker checked: kept ({line})")
+        return cfg
+    h.say(f"reference tie-breaker checked: off, the reward alone ranks ({line})")
+    return replace(cfg, reward=replace(cfg.reward, reference_weight=0.0))
 
 
 class _Timed:
