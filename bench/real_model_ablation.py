@@ -72,6 +72,10 @@ ARMS: dict[str, list[str]] = {
     "one_forward": ["evaluation.micro_batch_size=1024"],
     # Hansen's escape from flat fitness: sigma x1.22 when the task reward ties the top 70%
     "escape_flat": ["optimizer.escape_flat_reward=true"],
+    # The scale baseline checks the tie-breaker against the reward on its factors and the search
+    # drops it when they disagree. The config ships this since the arm ran; the archived default
+    # runs (essa-seed*) predate it, so on a task they are the search without the check.
+    "reference_check": ["reward.reference_check=true"],
     # the tie-breaker reads each reference token's margin to the greedy choice, not its log-prob
     "margin": ["reward.reference_signal=margin"],
     # sampled completions under common random numbers: a prompt scores a fraction of 4 samples
