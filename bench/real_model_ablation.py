@@ -27,6 +27,10 @@ over seeds with a delta-method SE. The drift-budget arms (``drift_anchor``,
 
     python -m bench.real_model_ablation --arms drift_anchor --out real_model_drift_budget --reuse
 
+An archived record is matched by its config with today's defaults filled in, so an arm whose
+setting has since become the default would be restored from the older default run; ``--fresh``
+runs the arms again and reuses only the baseline.
+
 Writes bench/results/real_model_ablation.json and .md (chain_sum), or
 real_model_ablation_<task>.json and .md for another task, or ``--out NAME``.json and .md.
 """
@@ -275,6 +279,10 @@ def main() -> None:
     parser.add_argument("--baseline", default="default", choices=list(ARMS),
                         help="the arm every other arm is paired against")  # fmt: skip
     parser.add_argument("--out", help="results stem (default: real_model_ablation[_TASK])")
+    parser.add_argument("--fresh", action="store_true",
+                        help="run the arms even where --reuse finds them finished or archived "
+                        "(an arm whose setting became the default matches the older default "
+                        "runs' records); the baseline is still reused")  # fmt: skip
     args = parser.parse_args()
     root = Path(args.root) / args.task
     config = task_config(args.task, ALL_TASKS[args.task], root)
@@ -285,7 +293,8 @@ def main() -> None:
         for seed in args.seeds:
             print(f"[ablation] {args.task} {arm} seed {seed} ...", flush=True)
             name = "essa" if arm == "default" else f"ablation-{arm}"
-            run = essa_seed(config, seed, root, ARMS[arm], args.threads, args.reuse, name)
+            reuse = args.reuse and (arm == args.baseline or not args.fresh)
+            run = essa_seed(config, seed, root, ARMS[arm], args.threads, reuse, name)
             print(f"[ablation] {arm} seed {seed}: SFT {run['accuracy']['sft']:.3f} -> "
                   f"{run['accuracy']['final']:.3f} in {run['summary']['wall_seconds']:.0f} s",
                   flush=True)  # fmt: skip
