@@ -84,6 +84,7 @@ STUDIES: list[tuple[str, list[str]]] = [
     ("label_free", ["--seeds", "0", "1", "2"]),  # TTRL's vote and RLSC vs labels
     ("tools", ["--seeds", "0", "1", "2"]),  # text-only vs tool-integrated ESSA, and GRPO
     ("drift_budget", ["--seeds", "0", "1", "2"]),  # the search's drift budget on and off
+    ("tie_breaker", []),  # the reference tie-breaker along the scaled line, per task
     ("mutation", ["--per-module", "5", "--seed", "0"]),  # do the tests catch injected bugs
 ]
 # Modules that serve the benchmarks rather than measure: run by them, or by hand before them.

@@ -517,3 +517,24 @@ def test_drift_columns_pair_essa_and_grpo_per_seed() -> None:
     old = {"essa": [{"seed": 0, "summary": {}}], "grpo": {"seed": 0, "summary": {}}}
     assert drift_cells(old) == ("-", "-")
     assert drift_table({"tasks": {"chain_sum": {**old, "grpo_runs": [old["grpo"]]}}}) == ""
+
+
+def test_tie_breaker_table_shows_each_factor_and_the_checks_verdict() -> None:
+    from bench.tie_breaker import table
+
+    line = {
+        "factors": [0.5, 1.0],
+        "reward": [0.39, 0.19],
+        "likelihood": [-0.66, -0.48],
+        "margin": [-0.35, -0.29],
+        "reference_written": [0.08, 0.14],
+        "reward_choice": 0.5,
+        "check": {"agrees": False, "factor": 1.0, "reward_drop": 0.2, "se": 0.05},
+    }
+    kept = {**line, "check": {"agrees": True, "factor": 0.5, "reward_drop": 0.0, "se": 0.0}}
+    rows = table({"tasks": {"number_format": line, "chain_sum": kept}}).splitlines()
+    assert rows[2] == (
+        "| number_format | x0.5: 0.390 / -0.66 / -0.35 / 0.08<br>x1: 0.190 / -0.48 / -0.29 / 0.14"
+        " | x0.5 | x1 | 0.200 (0.050) | off |"
+    )
+    assert rows[3].endswith("| x0.5 | x0.5 | 0.000 (0.000) | kept |")

@@ -39,8 +39,8 @@ def scale_vector(adapter: SVDAdapter, factor: float) -> AdapterVector:
     return x
 
 
-def preferred_factor(fitness: np.ndarray) -> int:
-    """Index of the best of SCALE_FACTORS by ``fitness`` (8,); among factors tied at the best,
+def preferred_factor(fitness: np.ndarray, factors: Sequence[float] = SCALE_FACTORS) -> int:
+    """Index of the best of ``factors`` by ``fitness`` (one per factor); among factors tied at the best,
     the one closest to x1 in log scale: a reward that cannot tell them apart (all right, or all
     wrong) is no reason to move off the SFT adapter.
 
@@ -51,7 +51,7 @@ def preferred_factor(fitness: np.ndarray) -> int:
     """
     top = np.nanmax(fitness)
     tied = [i for i, f in enumerate(fitness) if np.isfinite(f) and abs(f - top) <= 1e-12]
-    return min(tied, key=lambda i: abs(math.log(SCALE_FACTORS[i])))
+    return min(tied, key=lambda i: abs(math.log(factors[i])))
 
 
 def scale_baseline(
@@ -145,12 +145,15 @@ def scale_baseline(
 
 
 def reference_check(
-    fitness: np.ndarray, dense: np.ndarray, per_prompt: np.ndarray
+    fitness: np.ndarray,
+    dense: np.ndarray,
+    per_prompt: np.ndarray,
+    factors: Sequence[float] = SCALE_FACTORS,
 ) -> dict[str, Any]:
     """Does the tie-breaker point where the reward does along the scaled line?
 
-    ``fitness`` (8,) is each factor's reward, ``dense`` (8,) its tie-breaker term and
-    ``per_prompt`` (8, N) its reward on each prompt. The tie-breaker's favourite factor (the
+    ``fitness`` (F,) is each of ``factors``' reward, ``dense`` (F,) its tie-breaker term and
+    ``per_prompt`` (F, N) its reward on each prompt. The tie-breaker's favourite factor (the
     largest term) is compared, prompt by prompt, with the reward's choice
     (:func:`preferred_factor`): when it loses the reward by more than REFERENCE_CHECK_Z paired
     standard errors, the tie-breaker rewards something the reward does not (a reference's
@@ -162,17 +165,17 @@ def reference_check(
     >>> check["agrees"], check["factor"], check["reward_drop"]
     (False, 1.0, 0.375)
     """
-    chosen = preferred_factor(fitness)
+    chosen = preferred_factor(fitness, factors)
     if not np.isfinite(dense).any():
-        return {"agrees": True, "factor": SCALE_FACTORS[chosen], "reward_drop": 0.0, "se": 0.0}
+        return {"agrees": True, "factor": factors[chosen], "reward_drop": 0.0, "se": 0.0}
     favoured = int(np.nanargmax(dense))
     diff = per_prompt[favoured] - per_prompt[chosen]  # (N,)
     diff = diff[np.isfinite(diff)]
-    drop = float(-diff.mean()) if diff.size else 0.0
+    drop = float(-diff.mean()) + 0.0 if diff.size else 0.0  # + 0.0: no -0.0 in the log
     se = float(diff.std(ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else 0.0
     return {
         "agrees": not (drop > 0 and drop > REFERENCE_CHECK_Z * se),
-        "factor": SCALE_FACTORS[favoured],
+        "factor": factors[favoured],
         "reward_drop": round(drop, 6),
         "se": round(se, 6),
     }

@@ -15,6 +15,10 @@ Deviations from the paper (docs/method.md lists them too):
 * SFT time is included in the wall time we report (the paper excludes it);
 * optional (off by default): the search starts at the no-search baseline's best uniformly
   scaled SFT adapter instead of the SFT adapter (``optimizer.start: scale_baseline``);
+* optional (off by default): a dense tie-breaker in the fitness, the reference answer's
+  log-likelihood (``reward.reference_weight``), checked against the reward on the scaled
+  factors where the scale baseline runs and dropped when they disagree
+  (``reward.reference_check``);
 * optional (off by default): GRESO prompt skipping and Scaf-GRPO hints on the shared prompts
   (``data.selection``, ``data.hints``; docs/informative-prompts.md), not in the ESSA paper.
 """
