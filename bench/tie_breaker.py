@@ -10,7 +10,8 @@ is never read), greedy, as a generation does. Per factor: the task's reward, the
 tie-breaker's term (the reference answer's mean token log-likelihood, teacher-forced in the
 generation's own prefill) and its margin form, and the share of items whose reference greedy
 decoding writes token for token. Then the check the run makes (``reward.reference_check``,
-essa.es.start.reference_check) on these factors.
+essa.es.start.reference_check) on these factors: factors chosen on half the prompts by the
+fitness with the tie-breaker and by the reward alone, scored by the reward on the other half.
 
 Writes bench/results/tie_breaker.json and .md. About three minutes per task on 2 cores.
 """
@@ -37,7 +38,7 @@ def along_the_line(run_dir: Path, n_prompts: int) -> dict[str, Any]:
     from essa.backends.models import load_model
     from essa.config import load_config
     from essa.data.task import load_task, render_splits
-    from essa.es.generation import prompt_values, reference_term
+    from essa.es.generation import prompt_values, reference_term, reference_terms
     from essa.es.start import preferred_factor, reference_check, scale_vector
     from essa.rewards.loading import es_reward_inputs, load_reward
 
@@ -62,14 +63,17 @@ def along_the_line(run_dir: Path, n_prompts: int) -> dict[str, Any]:
         texts = evaluator.completions(population, prompts, seed=0, references=answers)
         logprobs = evaluator.last_reference_logprobs  # type: ignore[attr-defined]
         terms[signal] = reference_term(logprobs)  # (F,)
+        if signal == "likelihood":
+            terms["per_prompt"] = reference_terms(logprobs, n_prompts)  # (F, N)
         if signal == "margin":  # 0 at every position: greedy writes the reference
             terms["written"] = np.array(
-                [np.mean([bool(t) and max(t) > -1e-9 for t in items]) for items in logprobs]
+                [np.mean([bool(t) and min(t) > -1e-9 for t in items]) for items in logprobs]
             )
     graded = [reward(t, answers, prompts) for t in texts]
     per_prompt = prompt_values(graded, len(prompts), 1, np.zeros(len(FACTORS), bool))  # (F, N)
     fitness = np.nanmean(per_prompt, axis=1)
-    check = reference_check(fitness, terms["likelihood"], per_prompt, FACTORS)
+    weight = cfg.reward.reference_weight
+    check = reference_check(per_prompt, terms["per_prompt"], weight, FACTORS)
     return {
         "run_dir": str(run_dir),
         "prompts": n_prompts,
@@ -86,7 +90,7 @@ def along_the_line(run_dir: Path, n_prompts: int) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| task | per factor x0.25 ... x2: reward / likelihood / margin / reference written | "
-        "reward's factor | likelihood's factor | reward lost there (SE) | tie-breaker |",
+        "reward's factor | fitness's factor | other half: with / without | tie-breaker |",
         "|---|---|---|---|---|---|",
     ]
     for task, r in result["tasks"].items():
@@ -105,7 +109,7 @@ def table(result: dict[str, Any]) -> str:
         verdict = "kept" if c["agrees"] else "off"
         lines.append(
             f"| {task} | {cells} | x{r['reward_choice']:g} | x{c['factor']:g} | "
-            f"{c['reward_drop']:.3f} ({c['se']:.3f}) | {verdict} |"
+            f"{c['reward_with']:.3f} / {c['reward_without']:.3f} | {verdict} |"
         )
     return "\n".join(lines)
 

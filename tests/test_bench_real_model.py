@@ -529,12 +529,13 @@ def test_tie_breaker_table_shows_each_factor_and_the_checks_verdict() -> None:
         "margin": [-0.35, -0.29],
         "reference_written": [0.08, 0.14],
         "reward_choice": 0.5,
-        "check": {"agrees": False, "factor": 1.0, "reward_drop": 0.2, "se": 0.05},
+        "check": {"agrees": False, "factor": 1.0, "reward_with": 0.19, "reward_without": 0.39},
     }
-    kept = {**line, "check": {"agrees": True, "factor": 0.5, "reward_drop": 0.0, "se": 0.0}}
+    same = {"agrees": True, "factor": 0.5, "reward_with": 0.39, "reward_without": 0.39}
+    kept = {**line, "check": same}
     rows = table({"tasks": {"number_format": line, "chain_sum": kept}}).splitlines()
     assert rows[2] == (
         "| number_format | x0.5: 0.390 / -0.66 / -0.35 / 0.08<br>x1: 0.190 / -0.48 / -0.29 / 0.14"
-        " | x0.5 | x1 | 0.200 (0.050) | off |"
+        " | x0.5 | x1 | 0.190 / 0.390 | off |"
     )
-    assert rows[3].endswith("| x0.5 | x0.5 | 0.000 (0.000) | kept |")
+    assert rows[3].endswith("| x0.5 | x0.5 | 0.390 / 0.390 | kept |")

@@ -79,31 +79,26 @@ def test_resume_after_a_kill_keeps_the_start(tmp_path: Path) -> None:
 # ----------------------------------------------------------------- the tie-breaker's check
 
 
-def test_reference_check_drops_a_tie_breaker_that_prefers_what_the_reward_ranks_lower() -> None:
+def test_reference_check_drops_a_tie_breaker_that_picks_what_the_reward_rates_lower() -> None:
     from essa.es.start import SCALE_FACTORS, reference_check
 
     rng = np.random.default_rng(0)
     per_prompt = (rng.random((8, 64)) < 0.2).astype(float)  # (8, N): factor x prompt
     per_prompt[0] = (rng.random(64) < 0.7).astype(float)  # x0.5: the reward's clear choice
-    fitness = per_prompt.mean(1)
-    rising = np.linspace(-2.0, -0.5, 8)  # the term grows with the factor, as sharpening does
-    check = reference_check(fitness, rising, per_prompt)
+    rising = np.tile(np.linspace(-2.0, -0.5, 8)[:, None], 64)  # grows with the factor
+    check = reference_check(per_prompt, rising, 1.0)
     assert check["factor"] == SCALE_FACTORS[7] and not check["agrees"]
-    assert check["reward_drop"] == pytest.approx(fitness[0] - fitness[7])
-    assert check["reward_drop"] > 2 * check["se"] > 0
+    assert check["reward_without"] == pytest.approx(per_prompt[0].mean())
+    assert check["reward_with"] == pytest.approx(per_prompt[7].mean())
+    # a weight so small that the term only breaks the reward's ties: the same picks, kept
+    tiny = reference_check(per_prompt, rising, 1e-6)
+    assert tiny["agrees"] and tiny["reward_with"] == tiny["reward_without"]
     # the same term peaking at the reward's choice: kept
-    peaked = -np.abs(np.arange(8.0))
-    assert reference_check(fitness, peaked, per_prompt) == {
-        "agrees": True, "factor": 0.5, "reward_drop": 0.0, "se": 0.0,
-    }  # fmt: skip
-    # a favourite within noise of the reward's choice (one prompt of 64 lower): kept
-    close = per_prompt.copy()
-    close[7] = close[0]
-    close[7, np.flatnonzero(close[0])[0]] = 0.0
-    kept = reference_check(close.mean(1), rising, close)
-    assert kept["agrees"] and kept["reward_drop"] == pytest.approx(1 / 64)
-    # no reference scored anywhere: nothing to check
-    assert reference_check(fitness, np.full(8, np.nan), per_prompt)["agrees"]
+    peaked = np.tile(-np.abs(np.arange(8.0))[:, None], 64)
+    assert reference_check(per_prompt, peaked, 1.0)["agrees"]
+    # no reference scored anywhere, or one prompt: nothing to check
+    assert reference_check(per_prompt, np.full((8, 64), np.nan), 1.0)["agrees"]
+    assert reference_check(per_prompt[:, :1], rising[:, :1], 1.0)["agrees"]
 
 
 def test_scale_baseline_checks_the_tie_breaker_it_reads_in_its_own_prefill(
@@ -133,13 +128,15 @@ def test_scale_baseline_checks_the_tie_breaker_it_reads_in_its_own_prefill(
     assert plain is not None and checked is not None
     assert "reference_check" not in plain
     assert {k: checked[k] for k in plain} == plain  # the check changes no choice
-    # the favourite is the factor with the largest term, read in a pass of its own
+    # the fitness's pick is the factor with the largest term (the reward ties at 0 on the
+    # random model), read in a pass of its own
     population = np.stack([scale_vector(adapter, f) for f in SCALE_FACTORS])
     order = np.random.default_rng(0).permutation(len(train))  # any prompt order: a mean
     evaluator.completions(
         population, [prompts[i] for i in order], references=[answers[i] for i in order]
     )
     dense = reference_term(evaluator.last_reference_logprobs)
+    assert checked["train_fitness"] == 0.0
     assert checked["reference_check"]["factor"] == SCALE_FACTORS[int(np.argmax(dense))]
 
 
@@ -169,15 +166,18 @@ def test_a_failed_check_turns_the_tie_breaker_off_and_says_so() -> None:
             said.append(line)
 
     cfg = load_config(None, ["reward.reference_weight=1"])
-    check = {"agrees": False, "factor": 1.5, "reward_drop": 0.2, "se": 0.05}
+    check = {"agrees": False, "factor": 1.5, "reward_with": 0.1, "reward_without": 0.25}
     off = _checked_tie_breaker(cfg, Say(), {"scale_baseline": {"reference_check": check}})
     assert off.reward.reference_weight == 0.0 and cfg.reward.reference_weight == 1.0
     assert said == [
-        "reference tie-breaker checked: off, the reward alone ranks (its favourite scale x1.5 "
-        "scores 0.200 (SE 0.050) below the reward's choice on the training prompts)"
+        "reference tie-breaker checked: off, the reward alone ranks (factors chosen on half "
+        "the training prompts score 0.100 on the other half with it, 0.250 by the reward alone)"
     ]
     kept = _checked_tie_breaker(
         cfg, Say(), {"scale_baseline": {"reference_check": {**check, "agrees": True}}}
     )
     assert kept is cfg and said[-1].startswith("reference tie-breaker checked: kept")
     assert _checked_tie_breaker(cfg, Say(), {"scale_baseline": {"factor": 2.0}}) is cfg
+    unchecked = {"agrees": True, "factor": None, "reward_with": None, "reward_without": None}
+    state = {"scale_baseline": {"reference_check": unchecked}}
+    assert _checked_tie_breaker(cfg, Say(), state) is cfg and len(said) == 2

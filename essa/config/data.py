@@ -76,7 +76,8 @@ class RewardConfig:
     reference_signal: Literal["likelihood", "margin"] = "likelihood"
     # Where the scale baseline runs (optimizer.start: scale_baseline): check the tie-breaker
     # against the reward on the scaled factors, and search without it (weight 0) when the
-    # factor it ranks first loses the reward by > 2 paired SE (essa.es.start.reference_check).
+    # fitness with it picks factors the reward rates lower than the reward alone does,
+    # cross-validated over the prompts (essa.es.start.reference_check).
     reference_check: bool = True
 
 

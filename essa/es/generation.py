@@ -308,6 +308,22 @@ def reference_term(logprobs: list[list[list[float]]]) -> np.ndarray:
     return np.array(out, dtype=np.float64)
 
 
+def reference_terms(logprobs: list[list[list[float]]], n: int) -> np.ndarray:
+    """(P, n): each candidate's term on each of its ``n`` items (the reference's mean token
+    log-prob, or margin), NaN for an item without a reference; :func:`reference_term` is the
+    row mean over the items that have one.
+
+    >>> reference_terms([[[-1.0, -3.0], []], [[-0.5], [-1.5]]], 2).tolist()
+    [[-2.0, nan], [-0.5, -1.5]]
+    """
+    out = np.full((len(logprobs), n), np.nan)
+    for c, items in enumerate(logprobs):
+        for i, tokens in enumerate(items):
+            if tokens:
+                out[c, i] = sum(tokens) / len(tokens)
+    return out
+
+
 def signal_metrics(fitness: Fitness, n_prompts: int) -> dict[str, float]:
     """How much the reward separates the population, in prompts of this generation's batch:
     best minus mean (the margin the ranking rests on) and the spread across candidates. A

@@ -23,9 +23,6 @@ if TYPE_CHECKING:
 
 SCALE_FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 SCALE_PROMPTS = 256
-# The tie-breaker is dropped when the factor it ranks first loses the reward more than this
-# many standard errors (paired over the prompts) below the reward's own choice: one-sided 2.3%.
-REFERENCE_CHECK_Z = 2.0
 
 
 def scale_vector(adapter: SVDAdapter, factor: float) -> AdapterVector:
@@ -67,14 +64,15 @@ def scale_baseline(
     comm: Comm | None = None,
     prompts_used: int = SCALE_PROMPTS,
     references: Sequence[str | None] | None = None,
+    reference_weight: float = 1.0,
 ) -> dict[str, Any] | None:
     """Score SCALE_FACTORS on up to ``prompts_used`` training prompts; the best one's held-out
     score when ``heldout`` is given (a budgeted run's start needs only the factor).
 
     With ``references`` (one per ``train`` item: reward.reference_weight's references, on an
     evaluator that teacher-forces them) the same prefill reads the tie-breaker of every
-    factor, and the result's ``reference_check`` says whether it ranks the factors the way
-    the reward does (:func:`reference_check`).
+    factor, and the result's ``reference_check`` says whether the fitness with it
+    (``reference_weight``) picks factors the reward rates as well (:func:`reference_check`).
 
     Under MPI the factors are sharded across ranks like a population (every rank busy); only
     their fitness (and a population pool's answer keys) is gathered, so the choice is the
@@ -85,7 +83,7 @@ def scale_baseline(
         SCALE_BASELINE_SITE,
         draw_keys,
         prompt_values,
-        reference_term,
+        reference_terms,
         scores,
     )
 
@@ -107,8 +105,9 @@ def scale_baseline(
         mine, batch, seed=seed, progress=progress, samples=samples, **extra
     )
     dense = None
-    if references is not None:  # (p,) this rank's factors' tie-breaker terms
-        dense = reference_term(evaluator.last_reference_logprobs)  # type: ignore[attr-defined]
+    if references is not None:  # (p, N) this rank's factors' tie-breaker terms per prompt
+        rows = reference_terms(evaluator.last_reference_logprobs, len(batch) * samples)  # type: ignore[attr-defined]
+        dense = _nanmean(rows.reshape(len(mine), len(batch), samples))  # over the k samples
     keys = draw_keys(
         seed, (SCALE_BASELINE_SITE,), idx.tolist(), range(span.start, span.stop), samples
     )
@@ -136,49 +135,66 @@ def scale_baseline(
     if dense is not None:
         values = prompt_values(graded, len(batch), samples, evaluator.nonfinite)  # (p, N)
         per_prompt = comm.allgather_fitness(values.ravel()).reshape(-1, len(batch))  # (8, N)
-        result["reference_check"] = reference_check(
-            fitness, comm.allgather_fitness(dense), per_prompt
-        )
+        terms = comm.allgather_fitness(dense.ravel()).reshape(-1, len(batch))  # (8, N)
+        result["reference_check"] = reference_check(per_prompt, terms, reference_weight)
     if heldout is not None:
         result["heldout_accuracy"] = heldout(population[best])
     return result
 
 
 def reference_check(
-    fitness: np.ndarray,
-    dense: np.ndarray,
     per_prompt: np.ndarray,
+    dense: np.ndarray,
+    weight: float,
     factors: Sequence[float] = SCALE_FACTORS,
 ) -> dict[str, Any]:
-    """Does the tie-breaker point where the reward does along the scaled line?
+    """Does adding the tie-breaker to the fitness pick better factors by the reward?
 
-    ``fitness`` (F,) is each of ``factors``' reward, ``dense`` (F,) its tie-breaker term and
-    ``per_prompt`` (F, N) its reward on each prompt. The tie-breaker's favourite factor (the
-    largest term) is compared, prompt by prompt, with the reward's choice
-    (:func:`preferred_factor`): when it loses the reward by more than REFERENCE_CHECK_Z paired
-    standard errors, the tie-breaker rewards something the reward does not (a reference's
-    surface form that right answers need not share, or plain sharpening) and ``agrees`` is
-    False. A term that is NaN everywhere (no reference scored) agrees: nothing to check.
+    ``per_prompt`` (F, N) is each of ``factors``' reward on each prompt and ``dense`` (F, N)
+    its tie-breaker term there (NaN where the prompt has no reference). Two-fold
+    cross-validation over the prompts (even and odd ones): on one half a factor is chosen by
+    the reward alone (:func:`preferred_factor`) and by the search's fitness, reward +
+    ``weight`` x term; each choice is scored by the reward on the other half. The tie-breaker
+    ``agrees`` unless the fitness with it scores lower than the reward alone: it then rewards
+    something the reward does not (a reference's spelling that right answers need not share,
+    or plain sharpening). Choosing and scoring on different prompts keeps the reward's own
+    choice from winning by its luck on the prompts that chose it. A term that is NaN
+    everywhere (no reference scored) or fewer than two prompts agree: nothing to check.
 
-    >>> rows = np.array([[1.0] * 8 + [0.0] * 8, [1.0] * 2 + [0.0] * 14])  # factors 0.5, 1
-    >>> check = reference_check(np.array([0.5, 0.125]), np.array([-0.9, -0.4]), rows)
-    >>> check["agrees"], check["factor"], check["reward_drop"]
-    (False, 1.0, 0.375)
+    >>> reward = np.array([[1.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]])  # factors 0.5, 1
+    >>> check = reference_check(reward, np.array([[-3.0] * 4, [-0.4] * 4]), 1.0)
+    >>> check["agrees"], check["factor"], check["reward_with"], check["reward_without"]
+    (False, 1.0, 0.25, 0.75)
     """
-    chosen = preferred_factor(fitness, factors)
-    if not np.isfinite(dense).any():
-        return {"agrees": True, "factor": factors[chosen], "reward_drop": 0.0, "se": 0.0}
-    favoured = int(np.nanargmax(dense))
-    diff = per_prompt[favoured] - per_prompt[chosen]  # (N,)
-    diff = diff[np.isfinite(diff)]
-    drop = float(-diff.mean()) + 0.0 if diff.size else 0.0  # + 0.0: no -0.0 in the log
-    se = float(diff.std(ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else 0.0
+    n = per_prompt.shape[1]
+    if n < 2 or not np.isfinite(dense).any():
+        return {"agrees": True, "factor": None, "reward_with": None, "reward_without": None}
+
+    def choose(cols: np.ndarray, with_term: bool) -> int:
+        fitness = _nanmean(per_prompt[:, cols])  # (F,)
+        if with_term:
+            fitness = fitness + weight * np.nan_to_num(_nanmean(dense[:, cols]))
+        return preferred_factor(fitness, factors)
+
+    halves = (np.arange(n) % 2 == 0, np.arange(n) % 2 == 1)
+    scores = {True: 0.0, False: 0.0}
+    for pick, score in (halves, halves[::-1]):
+        for with_term in scores:
+            scores[with_term] += float(_nanmean(per_prompt[choose(pick, with_term), score])) / 2
     return {
-        "agrees": not (drop > 0 and drop > REFERENCE_CHECK_Z * se),
-        "factor": factors[favoured],
-        "reward_drop": round(drop, 6),
-        "se": round(se, 6),
+        "agrees": scores[True] >= scores[False],
+        "factor": factors[choose(np.ones(n, dtype=bool), True)],  # the fitness's pick on all
+        "reward_with": round(scores[True], 6),
+        "reward_without": round(scores[False], 6),
     }
+
+
+def _nanmean(x: np.ndarray) -> np.ndarray:
+    """Mean over the last axis ignoring NaN; NaN (no warning) where a row has none."""
+    finite = np.isfinite(x)
+    total = np.where(finite, x, 0.0).sum(-1)
+    count = finite.sum(-1)
+    return np.divide(total, count, out=np.full(np.shape(total), np.nan), where=count > 0)
 
 
 def scale_rows(

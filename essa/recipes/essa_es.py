@@ -324,6 +324,7 @@ def _initial_state(
                 comm=h.comm,
                 prompts_used=n,
                 references=_check_references(cfg, task.train),
+                reference_weight=cfg.reward.reference_weight,
             )
         seconds = time.perf_counter() - start - held_out.seconds
         inputs = setup.plan_inputs(cfg)
@@ -343,17 +344,18 @@ def _check_references(cfg: Config, train: list[Example]) -> list[str | None] | N
 
 
 def _checked_tie_breaker(cfg: Config, h: Harness, state: dict[str, Any]) -> Config:
-    """``cfg`` with the tie-breaker off (reward.reference_weight 0) when the scale baseline
-    found that it ranks the scaled factors against the reward (essa.es.start.reference_check).
-    The check is in the checkpointed state, so a resumed run decides the same."""
+    """``cfg`` with the tie-breaker off (reward.reference_weight 0) when, on the scale
+    baseline's factors, the fitness with it picks factors the reward rates lower than the
+    reward alone does (essa.es.start.reference_check). The check is in the checkpointed
+    state, so a resumed run decides the same."""
     from dataclasses import replace
 
     check = (state.get("scale_baseline") or {}).get("reference_check")
-    if check is None:
+    if check is None or check["factor"] is None:
         return cfg
     line = (
-        f"its favourite scale x{check['factor']:g} scores {check['reward_drop']:.3f} "
-        f"(SE {check['se']:.3f}) below the reward's choice on the training prompts"
+        f"factors chosen on half the training prompts score {check['reward_with']:.3f} on "
+        f"the other half with it, {check['reward_without']:.3f} by the reward alone"
     )
     if check["agrees"]:
         h.say(f"reference tie-breaker checked: kept ({line})")
