@@ -77,9 +77,9 @@ ARMS: dict[str, list[str]] = {
     # Hansen's escape from flat fitness: sigma x1.22 when the task reward ties the top 70%
     "escape_flat": ["optimizer.escape_flat_reward=true"],
     # The scale baseline checks the tie-breaker against the reward on its factors and the search
-    # drops it when they disagree. The archived default runs (essa-seed*) predate the check; the
-    # arm's recorded runs (number_format, fraction_simplification) ran an earlier form of it (a
-    # 2-SE test on the term's favourite factor), which kept the term in both: run it --fresh.
+    # drops it when they disagree. The archived default runs (essa-seed*) predate the check: run
+    # this arm --fresh. fraction_simplification's record is the shipped check's; number_format's
+    # ran an earlier form of it (a 2-SE test on the term's favourite factor).
     "reference_check": ["reward.reference_check=true"],
     # the tie-breaker reads each reference token's margin to the greedy choice, not its log-prob
     "margin": ["reward.reference_signal=margin"],
