@@ -360,8 +360,19 @@ def prompt_values(
     rewards = np.array(
         [[np.nan if r is None else float(r) for r in row] for row in graded], dtype=np.float64
     ).reshape(len(graded), num_prompts, k)  # (p, N, k)
-    counts = np.isfinite(rewards).sum(-1)  # (p, N)
-    sums = np.where(np.isfinite(rewards), rewards, 0.0).sum(-1)
-    values = np.divide(sums, counts, out=np.full(counts.shape, np.nan), where=counts > 0)
+    values = nan_mean(rewards)  # (p, N)
     values[np.asarray(nonfinite, dtype=bool)] = np.nan
     return values
+
+
+def nan_mean(x: np.ndarray) -> np.ndarray:
+    """Mean over the last axis of the finite entries; NaN, without a warning, where a row has
+    none.
+
+    >>> nan_mean(np.array([[1.0, np.nan, 3.0], [np.nan, np.nan, np.nan]])).tolist()
+    [2.0, nan]
+    """
+    finite = np.isfinite(x)
+    total = np.where(finite, x, 0.0).sum(-1)
+    count = finite.sum(-1)
+    return np.divide(total, count, out=np.full(np.shape(total), np.nan), where=count > 0)

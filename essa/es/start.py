@@ -82,6 +82,7 @@ def scale_baseline(
     from essa.es.generation import (
         SCALE_BASELINE_SITE,
         draw_keys,
+        nan_mean,
         prompt_values,
         reference_terms,
         scores,
@@ -107,7 +108,7 @@ def scale_baseline(
     dense = None
     if references is not None:  # (p, N) this rank's factors' tie-breaker terms per prompt
         rows = reference_terms(evaluator.last_reference_logprobs, len(batch) * samples)  # type: ignore[attr-defined]
-        dense = _nanmean(rows.reshape(len(mine), len(batch), samples))  # over the k samples
+        dense = nan_mean(rows.reshape(len(mine), len(batch), samples))  # over the k samples
     keys = draw_keys(
         seed, (SCALE_BASELINE_SITE,), idx.tolist(), range(span.start, span.stop), samples
     )
@@ -166,35 +167,29 @@ def reference_check(
     >>> check["agrees"], check["factor"], check["reward_with"], check["reward_without"]
     (False, 1.0, 0.25, 0.75)
     """
+    from essa.es.generation import nan_mean
+
     n = per_prompt.shape[1]
     if n < 2 or not np.isfinite(dense).any():
         return {"agrees": True, "factor": None, "reward_with": None, "reward_without": None}
 
     def choose(cols: np.ndarray, with_term: bool) -> int:
-        fitness = _nanmean(per_prompt[:, cols])  # (F,)
+        fitness = nan_mean(per_prompt[:, cols])  # (F,)
         if with_term:
-            fitness = fitness + weight * np.nan_to_num(_nanmean(dense[:, cols]))
+            fitness = fitness + weight * np.nan_to_num(nan_mean(dense[:, cols]))
         return preferred_factor(fitness, factors)
 
     halves = (np.arange(n) % 2 == 0, np.arange(n) % 2 == 1)
     scores = {True: 0.0, False: 0.0}
     for pick, score in (halves, halves[::-1]):
         for with_term in scores:
-            scores[with_term] += float(_nanmean(per_prompt[choose(pick, with_term), score])) / 2
+            scores[with_term] += float(nan_mean(per_prompt[choose(pick, with_term), score])) / 2
     return {
         "agrees": scores[True] >= scores[False],
         "factor": factors[choose(np.ones(n, dtype=bool), True)],  # the fitness's pick on all
         "reward_with": round(scores[True], 6),
         "reward_without": round(scores[False], 6),
     }
-
-
-def _nanmean(x: np.ndarray) -> np.ndarray:
-    """Mean over the last axis ignoring NaN; NaN (no warning) where a row has none."""
-    finite = np.isfinite(x)
-    total = np.where(finite, x, 0.0).sum(-1)
-    count = finite.sum(-1)
-    return np.divide(total, count, out=np.full(np.shape(total), np.nan), where=count > 0)
 
 
 def scale_rows(
