@@ -203,6 +203,19 @@ def archive(args: list[str], log: Path, seconds: float, keep: list[Path]) -> Non
     write_archive(path, records)
 
 
+def ran_as(record: dict[str, Any]) -> dict[str, Any]:
+    """What an archived command ran: ``effective`` of its arguments, with the config it wrote
+    into its run directory where it kept one. That file holds every value as the code of its day
+    resolved it, so a default added or changed since (a new key, a new value) tells it apart
+    from today's command; the task config alone would be filled with today's defaults."""
+    command = record["command"]
+    ran = effective(command["args"], command["config"])
+    written = record["files"].get("config.yaml")
+    if written is not None:
+        ran["config"] = yaml.safe_load(written)
+    return ran
+
+
 def same_command(args: list[str], log: Path) -> dict[str, Any] | None:
     """The archived record of this command: its own (same name) or, under another name, one of
     a command that ran the same config (an ablation arm that became the default); None when
@@ -214,8 +227,7 @@ def same_command(args: list[str], log: Path) -> dict[str, Any] | None:
         record = records.get(name)
         if record is None:
             continue
-        command = record["command"]
-        if effective(command["args"], command["config"]) == mine:
+        if ran_as(record) == mine:
             return record
     if log.stem in records:
         print(f"[bench] {log.stem} in {archive_file(log)} is another command's record: running it",

@@ -357,6 +357,60 @@ def test_reuse_restores_an_archived_command_only_when_it_is_the_same_one(
     assert len(calls) == 3
 
 
+def test_reuse_runs_again_a_record_whose_run_resolved_its_config_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record whose run directory's config.yaml (the config as its day's code resolved it)
+    lacks a default added since, or holds another default value, is not today's command, although
+    its task config and arguments are the same: --reuse runs it again."""
+    import bench.real_model as rm
+    from essa.config import dump_config, load_config
+
+    monkeypatch.setattr(rm, "ARCHIVE", tmp_path / "archive")
+    calls: list[list[str]] = []
+    config = tmp_path / "config.yaml"
+    config.write_text("data: {batch_size: 32}\n")
+    root = tmp_path / "runs" / "chain_sum"
+    run_dir, log = root / "essa-seed0", root / "essa-seed0.log"
+    keep = [run_dir / "config.yaml", run_dir / "summary.json"]
+
+    def fake_essa(args: list[str], log: Path, threads: int) -> float:
+        calls.append(args)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(load_config(config, ["run.seed=0"])))
+        (run_dir / "summary.json").write_text(json.dumps({"run": len(calls)}))
+        return 30.0 + len(calls)
+
+    def wipe() -> None:
+        for path in [*keep, log.with_suffix(".seconds")]:
+            path.unlink()
+
+    monkeypatch.setattr(rm, "essa", fake_essa)
+    args = ["train", str(config), "--set", "run.seed=0"]
+    root.mkdir(parents=True)
+    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0
+    wipe()
+    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0  # restored
+    assert len(calls) == 1
+
+    def rewrite(old: str, new: str) -> None:  # the record as an older day's code left it
+        path = rm.archive_file(log)
+        records = rm.read_archive(path)
+        text = records["essa-seed0"]["files"]["config.yaml"]
+        records["essa-seed0"]["files"]["config.yaml"] = text.replace(old, new)
+        rm.write_archive(path, records)
+
+    no_key = ("  reference_check: true\n", "")  # a key added since
+    other_default = ("  reference_weight: 0.0\n", "  reference_weight: 1.0\n")
+    for old, new in (no_key, other_default):
+        assert old in keep[0].read_text()
+        wipe()
+        rewrite(old, new)
+        ran = len(calls)
+        assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0 + ran  # run again
+    assert len(calls) == 3
+
+
 def test_the_archive_keeps_only_the_base_models_scores_of_its_completions(
     tmp_path: Path,
 ) -> None:
@@ -454,6 +508,9 @@ def test_grpo_reruns_essa_only_when_it_must_run_and_its_sft_adapter_is_gone(
     keep[0].parent.mkdir(parents=True)
     for path in keep:
         path.write_text("{}\n")
+    resolved = rm.effective(args, config.read_text())["config"]  # what the run writes
+    (keep[0].parent / "config.yaml").write_text(json.dumps(resolved))
+    assert keep[0].parent / "config.yaml" in keep
     rm.archive(args, log, 300.0, keep)  # GRPO ran once and was archived ...
     for path in keep:
         path.unlink()  # ... then the machine was wiped: restorable, so no ESSA run is needed
