@@ -615,12 +615,13 @@ def drift_table(result: dict[str, Any]) -> str:
 
 def table(result: dict[str, Any]) -> str:
     lines = [
-        "| task | base | SFT | scale baseline | ESSA | ESSA - SFT (paired SE) | gain / SE "
+        "| task | prompt / answer tokens | base | SFT | scale baseline | ESSA "
+        "| ESSA - SFT (paired SE) | gain / SE "
         "| per seed z | full credit: SFT -> ESSA (paired SE) | run s (median) "
         "| generations made (planned) | search s actual / planned (share of run) "
         "| GRPO at equal wall-clock | peak RSS ESSA / GRPO "
         "| off-task KL(base‖tuned) ESSA / GRPO (ratio ± SE) | retention change from SFT ESSA / GRPO |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for task, t in result["tasks"].items():
         acc = {k: mean_accuracy(t["essa"], k) for k in ("sft", "scale", "final")}
@@ -637,12 +638,26 @@ def table(result: dict[str, Any]) -> str:
             essa_full = statistics.mean(r["full_credit"]["final"] for r in t["essa"])
             strict = f"{sft_full:.3f} -> {essa_full:.3f} ({f['gain']:+.3f}, {f['se']:.3f})"
         lines.append(
-            f"| {task} | {t['base_accuracy']:.3f} | {acc['sft']:.3f} | {scale} | "
+            f"| {task} | {lengths_cell(t['essa'])} | {t['base_accuracy']:.3f} | {acc['sft']:.3f} | {scale} | "
             f"{acc['final']:.3f} | {p['gain']:+.3f} ({p['se']:.3f}) | {p['z']:.1f} | {z} | "
             f"{strict} | {wall:.0f} | {' | '.join(plan_cells(t['essa']))} | {grpo} | {mem} | "
             f"{kl} | {kept} |"
         )
     return "\n".join(lines)
+
+
+def lengths_cell(runs: list[dict[str, Any]]) -> str:
+    """The task's mean prompt and reference-answer lengths in the model's tokens, as the plan
+    measured them on the first seed's data; "-" for runs made before the plan existed.
+
+    >>> lengths_cell([{"summary": {"plan": {"lengths": {"prompt_mean": 62.7, "reference_mean": 9.2}}}}])
+    '63 / 9.2'
+    """
+    for run in runs:
+        lengths = run["summary"].get("plan", {}).get("lengths")
+        if lengths:
+            return f"{lengths['prompt_mean']:.0f} / {lengths['reference_mean']:.1f}"
+    return "-"
 
 
 def plan_cells(runs: list[dict[str, Any]]) -> tuple[str, str]:

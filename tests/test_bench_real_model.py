@@ -73,7 +73,15 @@ def test_table_row_from_a_result() -> None:
         }
     }
     row = table(result).splitlines()[-1]
-    assert row.startswith("| chain_sum | 0.040 | 0.200 | 0.210 | 0.260 | +0.060 (0.015) | 4.0 |")
+    assert row.startswith(
+        "| chain_sum | - | 0.040 | 0.200 | 0.210 | 0.260 | +0.060 (0.015) | 4.0 |"
+    )
+    header, rule = table(result).splitlines()[:2]
+    assert header.count("|") == rule.count("|") == row.count("|")
+    lengths = {"prompt_mean": 116.4, "reference_mean": 13.96}
+    run["summary"] |= {"plan": {"generations": 20, "lengths": lengths}, "generations": 21,
+                       "phases": {"generations": {"actual": 700.0, "planned": 690.0}}}  # fmt: skip
+    assert table(result).splitlines()[-1].startswith("| chain_sum | 116 / 14.0 | 0.040 |")
     assert "0.220 (ESSA +0.040 ± 0.020)" in row and "3000 / 6000 MB (0.50x)" in row
 
 
