@@ -455,7 +455,6 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
         print(f"[real_model] {task} seed {runs[i]['seed']}: grpo train ...", flush=True)
         grpo_runs.append(grpo_seed(config, runs[i], root, args.overrides, args.threads, args.reuse))
     if grpo_runs:
-        result["grpo"] = grpo_runs[0]  # the first GRPO seed: the plot's
         result["grpo_runs"] = grpo_runs
         result["essa_vs_grpo"] = pooled(grpo_runs, "essa_vs_grpo")
         plot_task(task, runs[grpo_at[0]], grpo_runs[0], RESULTS / f"{args.out}_{task}.png")
@@ -499,14 +498,19 @@ def mean_accuracy(runs: list[dict], key: str) -> float | None:
     return None if None in values else statistics.mean(v for v in values if v is not None)
 
 
+def grpo_runs_of(t: dict[str, Any]) -> list[dict[str, Any]]:
+    """A task's GRPO runs: `grpo_runs`, or the single `grpo` run of older records."""
+    return t.get("grpo_runs") or ([t["grpo"]] if "grpo" in t else [])
+
+
 def grpo_cells(t: dict[str, Any]) -> tuple[str, str]:
     """The table's GRPO cells: GRPO's final held-out and ESSA - GRPO paired on each GRPO seed's
     items (pooled over those seeds), and the peak RSS of ESSA and GRPO (means over the same
     seeds); "-" without GRPO. A result of one GRPO seed (older records) reads as before."""
-    if "grpo" not in t:
+    grpo_runs = grpo_runs_of(t)
+    if not grpo_runs:
         return "-", "-"
-    grpo_runs = t.get("grpo_runs", [t["grpo"]])
-    diff = t.get("essa_vs_grpo", t["grpo"]["essa_vs_grpo"])
+    diff = t.get("essa_vs_grpo", grpo_runs[0]["essa_vs_grpo"])
     final = statistics.mean(g["accuracy"]["final"] for g in grpo_runs)
     seeds = f", {len(grpo_runs)} seeds" if len(grpo_runs) > 1 else ""
     grpo = f"{final:.3f} (ESSA {diff['gain']:+.3f} ± {diff['se']:.3f}{seeds})"
@@ -551,12 +555,12 @@ def drift_cells(t: dict[str, Any]) -> tuple[str, str]:
     """The table's drift cells, on the GRPO seeds: off-task KL(base || tuned) of ESSA and of
     GRPO with their ratio (per-prompt pairs pooled over seeds, delta-method SE), and retention's
     change from the SFT adapter for each; "-" where a record has no drift report."""
-    if "grpo" not in t:
+    if not grpo_runs_of(t):
         return "-", "-"
     essa_by_seed = {r.get("seed"): r for r in t["essa"]}
     kl, kept = {"essa": [], "grpo": []}, {"essa": [], "grpo": []}
     paired_reports: dict[str, list[dict[str, Any]]] = {"essa": [], "grpo": []}
-    for g in t.get("grpo_runs", [t["grpo"]]):
+    for g in grpo_runs_of(t):
         reports = {"essa": essa_by_seed[g.get("seed")]["summary"].get("drift") or {},
                    "grpo": g["summary"].get("drift") or {}}  # fmt: skip
         if not all("kl_per_prompt" in r for r in reports.values()):
@@ -595,7 +599,7 @@ def drift_table(result: dict[str, Any]) -> str:
 
     for task, t in result["tasks"].items():
         essa_by_seed = {r.get("seed"): r for r in t["essa"]}
-        for g in t.get("grpo_runs", []):
+        for g in grpo_runs_of(t):
             e = essa_by_seed[g["seed"]]
             de, dg = e["summary"].get("drift") or {}, g["summary"].get("drift") or {}
             if "kl_base" not in de or "kl_base" not in dg:

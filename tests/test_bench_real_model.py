@@ -126,7 +126,6 @@ def test_table_pools_grpo_over_its_seeds_and_pairs_memory_by_seed() -> None:
         "base_accuracy": 0.04,
         "essa": [essa(0, 2000.0), essa(1, 1000.0), essa(2, 9000.0)],
         "essa_vs_sft": {"gain": 0.1, "se": 0.01, "z": 10.0, "per_seed_z": [10.0] * 3},
-        "grpo": grpo_runs[0],
         "grpo_runs": grpo_runs,
         "essa_vs_grpo": pooled(grpo_runs, "essa_vs_grpo"),
     }
@@ -569,7 +568,7 @@ def test_drift_columns_pair_essa_and_grpo_per_seed() -> None:
              "essa_vs_sft": {"gain": 0.05}} for s in (0, 1)]  # fmt: skip
     grpo = [{"seed": s, "summary": {"drift": report([1.0, 2.0], -0.25, 0.02, 0.75)},
              "grpo_vs_sft": {"gain": 0.06}} for s in (0, 1)]  # fmt: skip
-    t = {"essa": essa, "grpo": grpo[0], "grpo_runs": grpo}
+    t = {"essa": essa, "grpo_runs": grpo}
     kl, kept = drift_cells(t)
     assert kl == "0.3000 / 1.5000 (0.20x ± 0.00)"  # every ESSA prompt is a fifth of GRPO's
     assert kept == "+0.000 / -0.250"
