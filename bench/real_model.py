@@ -19,7 +19,7 @@ a fresh process, from ``configs/smollm2.yaml`` with only the task swapped in:
   seconds and generated tokens (``essa.compare``), and peak memory (RSS).
 
 Writes bench/results/real_model.json, real_model.md (the table in docs/results.md; ``--out NAME`` writes
-NAME.json/.md instead), OUT_drift.md (ESSA and GRPO drift reports per GRPO seed, in docs/drift.md)
+NAME.json/.md instead), OUT_short.md (its headline columns, in the README), OUT_drift.md (ESSA and GRPO drift reports per GRPO seed, in docs/drift.md)
 and one OUT_<task>.png per task (the first GRPO seed's). Sizes
 come from the config: held-out items per task (``--set data.test_size=N``), generations and the
 20-minute budget (``run.max_wall_seconds``).
@@ -622,7 +622,7 @@ def table(result: dict[str, Any]) -> str:
         "| task | prompt / answer tokens | base | SFT | scale baseline | ESSA "
         "| ESSA - SFT (paired SE) | gain / SE "
         "| per seed z | full credit: SFT -> ESSA (paired SE) | run s (median) "
-        "| generations made (planned) | search s actual / planned (share of run) "
+        "| generations made (planned) | search s actual / planned (share of budgeted phases / of run) "
         "| GRPO at equal wall-clock | peak RSS ESSA / GRPO "
         "| off-task KL(base‖tuned) ESSA / GRPO (ratio ± SE) | retention change from SFT ESSA / GRPO |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -650,6 +650,28 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def short_table(result: dict[str, Any]) -> str:
+    """The table's headline columns, for the README: per task the lengths, SFT and ESSA held-out
+    (means over seeds), ESSA - SFT pooled with its SE and each seed's z, the plan against the
+    run, and GRPO beside it."""
+    lines = [
+        "| task | prompt / answer tokens | SFT | ESSA | ESSA - SFT (paired SE) | per seed z "
+        "| generations made (planned) | search s actual / planned (share of budgeted phases / of run) "
+        "| GRPO at equal wall-clock | peak RSS ESSA / GRPO |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for task, t in result["tasks"].items():
+        p = t["essa_vs_sft"]
+        z = ", ".join(f"{v:.1f}" for v in p["per_seed_z"])
+        sft, final = mean_accuracy(t["essa"], "sft"), mean_accuracy(t["essa"], "final")
+        lines.append(
+            f"| {task} | {lengths_cell(t['essa'])} | {sft:.3f} | {final:.3f} | "
+            f"{p['gain']:+.3f} ({p['se']:.3f}) | {z} | {' | '.join(plan_cells(t['essa']))} | "
+            f"{' | '.join(grpo_cells(t))} |"
+        )
+    return "\n".join(lines)
+
+
 def lengths_cell(runs: list[dict[str, Any]]) -> str:
     """The task's mean prompt and reference-answer lengths in the model's tokens, as the plan
     measured them on the first seed's data; "-" for runs made before the plan existed.
@@ -666,24 +688,28 @@ def lengths_cell(runs: list[dict[str, Any]]) -> str:
 
 def plan_cells(runs: list[dict[str, Any]]) -> tuple[str, str]:
     """The plan against the run: generations made (planned) per seed, and the search's seconds,
-    actual / planned, with its share of the whole run (means over seeds); "-" for runs made
-    before the plan existed.
+    actual / planned, with its share of the phases the budget sizes (model load to the last
+    generation) and of the whole run (with the final evaluation and the drift report); means
+    over seeds; "-" for runs made before the plan existed.
 
+    >>> phases = {"generations": {"actual": 790.0, "planned": 800.0}, "SFT": {"actual": 210.0}}
     >>> run = {"summary": {"generations": 22, "wall_seconds": 1300.0, "plan": {"generations": 25},
-    ...        "phases": {"generations": {"actual": 790.0, "planned": 800.0}}}}
+    ...        "phases": phases}}
     >>> plan_cells([run, run])
-    ('22 (25), 22 (25)', '790 / 800 (61%)')
+    ('22 (25), 22 (25)', '790 / 800 (79% / 61%)')
     """
     planned = [r["summary"] for r in runs if "plan" in r["summary"]]
     if not planned:
         return "-", "-"
     made = ", ".join(f"{s['generations']} ({s['plan']['generations']})" for s in planned)
-    search = [s["phases"]["generations"] for s in planned]
-    actual = statistics.mean(p["actual"] for p in search)
-    share = statistics.mean(
-        p["actual"] / s["wall_seconds"] for p, s in zip(search, planned, strict=True)
+    search = [s["phases"]["generations"]["actual"] for s in planned]
+    budgeted = [sum(p["actual"] for p in s["phases"].values()) for s in planned]
+    planned_search = statistics.mean(s["phases"]["generations"]["planned"] for s in planned)
+    of_phases = statistics.mean(a / b for a, b in zip(search, budgeted, strict=True))
+    of_run = statistics.mean(a / s["wall_seconds"] for a, s in zip(search, planned, strict=True))
+    return made, (
+        f"{statistics.mean(search):.0f} / {planned_search:.0f} ({of_phases:.0%} / {of_run:.0%})"
     )
-    return made, f"{actual:.0f} / {statistics.mean(p['planned'] for p in search):.0f} ({share:.0%})"
 
 
 def replay_args(record: dict[str, Any], config: Path, run_dir: Path) -> list[str]:
@@ -804,6 +830,7 @@ def main() -> None:
     command = "python -m bench.real_model " + " ".join(sys.argv[1:])
     write_result(args.out, result, command.strip())
     (RESULTS / f"{args.out}.md").write_text(table(result) + "\n")
+    (RESULTS / f"{args.out}_short.md").write_text(short_table(result) + "\n")
     drift = drift_table(result)
     if drift:
         (RESULTS / f"{args.out}_drift.md").write_text(drift + "\n")

@@ -87,18 +87,22 @@ def test_table_row_from_a_result() -> None:
 
 def test_table_shows_each_runs_plan_against_what_it_made() -> None:
     """Generations made (planned) per seed, the search's seconds actual / planned and its share
-    of the run; a run from before the plan shows "-"."""
+    of the phases the budget sizes and of the whole run; a run from before the plan shows "-"."""
     from bench.real_model import plan_cells
 
-    def run(made: int, planned: int, actual: float, wall: float) -> dict:
-        search = {"actual": actual, "planned": 800.0}
+    def run(made: int, planned: int, actual: float, before: float, wall: float) -> dict:
+        phases = {"SFT": {"actual": before, "planned": 100.0},
+                  "generations": {"actual": actual, "planned": 800.0}}  # fmt: skip
         summary = {"generations": made, "wall_seconds": wall, "plan": {"generations": planned},
-                   "phases": {"generations": search}}  # fmt: skip
+                   "phases": phases}  # fmt: skip
         return {"summary": summary}
 
-    made, search = plan_cells([run(22, 25, 700.0, 1400.0), run(26, 25, 900.0, 1000.0)])
+    made, search = plan_cells(
+        [run(22, 25, 700.0, 300.0, 1400.0), run(26, 25, 900.0, 100.0, 1000.0)]
+    )
     assert made == "22 (25), 26 (25)"
-    assert search == "800 / 800 (70%)"  # shares 50% and 90%
+    # of the budgeted phases 70% and 90%, of the run 50% and 90%
+    assert search == "800 / 800 (80% / 70%)"
     assert plan_cells([{"summary": {"wall_seconds": 900.0}}]) == ("-", "-")
 
 
@@ -133,6 +137,15 @@ def test_table_pools_grpo_over_its_seeds_and_pairs_memory_by_seed() -> None:
     # mean final (0.26 + 0.30) / 2; gain (0.04 + 0) / 2, SE sqrt(0.03² + 0.04²) / 2 = 0.025
     assert "| 0.280 (ESSA +0.020 ± 0.025, 2 seeds) |" in row
     assert "| 1500 / 7000 MB (0.21x) |" in row  # seeds 0 and 1 only: 9000 MB is not GRPO's pair
+    # The README's short table carries the same cells: the headline columns only.
+    from bench.real_model import short_table
+
+    short = short_table({"tasks": {"chain_sum": t}}).splitlines()
+    assert short[-1] == (
+        "| chain_sum | - | 0.200 | 0.300 | +0.100 (0.010) | 10.0, 10.0, 10.0 | - | - | "
+        "0.280 (ESSA +0.020 ± 0.025, 2 seeds) | 1500 / 7000 MB (0.21x) |"
+    )
+    assert short[0].count("|") == short[1].count("|") == short[-1].count("|")
     assert grpo_seeds(argparse.Namespace(grpo_seeds=None, seeds=[3, 4])) == [3]
     assert grpo_seeds(argparse.Namespace(grpo_seeds=[0, 1], seeds=[0, 1, 2])) == [0, 1]
 
