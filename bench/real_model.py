@@ -18,9 +18,10 @@ a fresh process, from ``configs/smollm2.yaml`` with only the task swapped in:
   ``algorithm: grpo`` with the same wall-clock budget: held-out accuracy against training
   seconds and generated tokens (``essa.compare``), and peak memory (RSS).
 
-Writes bench/results/real_model.json, real_model.md (the table in docs/results.md; ``--out NAME`` writes
-NAME.json/.md instead), OUT_short.md (its headline columns, in the README), OUT_drift.md (ESSA and GRPO drift reports per GRPO seed, in docs/drift.md)
-and one OUT_<task>.png per task (the first GRPO seed's). Sizes
+Writes bench/results/real_model.json, real_model.md (the table in docs/results.md; ``--out NAME``
+writes NAME.json/.md instead), OUT_short.md (its headline columns, in the README), OUT_drift.md
+(ESSA and GRPO drift reports per GRPO seed, in docs/drift.md) and one OUT_<task>.png per task
+(the first GRPO seed's). Sizes
 come from the config: held-out items per task (``--set data.test_size=N``), generations and the
 20-minute budget (``run.max_wall_seconds``).
 Everything the runs print goes to <root>/<task>/*.log.
@@ -650,26 +651,19 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# The README's columns of :func:`table`: lengths, SFT and ESSA, the gain, the plan, GRPO.
+SHORT_COLUMNS = (
+    "task", "prompt / answer tokens", "SFT", "ESSA", "ESSA - SFT (paired SE)", "per seed z",
+    "generations made (planned)", "search s actual / planned (share of budgeted phases / of run)",
+    "GRPO at equal wall-clock", "peak RSS ESSA / GRPO",
+)  # fmt: skip
+
+
 def short_table(result: dict[str, Any]) -> str:
-    """The table's headline columns, for the README: per task the lengths, SFT and ESSA held-out
-    (means over seeds), ESSA - SFT pooled with its SE and each seed's z, the plan against the
-    run, and GRPO beside it."""
-    lines = [
-        "| task | prompt / answer tokens | SFT | ESSA | ESSA - SFT (paired SE) | per seed z "
-        "| generations made (planned) | search s actual / planned (share of budgeted phases / of run) "
-        "| GRPO at equal wall-clock | peak RSS ESSA / GRPO |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for task, t in result["tasks"].items():
-        p = t["essa_vs_sft"]
-        z = ", ".join(f"{v:.1f}" for v in p["per_seed_z"])
-        sft, final = mean_accuracy(t["essa"], "sft"), mean_accuracy(t["essa"], "final")
-        lines.append(
-            f"| {task} | {lengths_cell(t['essa'])} | {sft:.3f} | {final:.3f} | "
-            f"{p['gain']:+.3f} ({p['se']:.3f}) | {z} | {' | '.join(plan_cells(t['essa']))} | "
-            f"{' | '.join(grpo_cells(t))} |"
-        )
-    return "\n".join(lines)
+    """:func:`table` cut to :data:`SHORT_COLUMNS`, for the README (no cell holds a "|")."""
+    rows = [line.strip("|").split("|") for line in table(result).splitlines()]
+    keep = [i for i, name in enumerate(rows[0]) if name.strip() in SHORT_COLUMNS]
+    return "\n".join("|" + "|".join(row[i] for i in keep) + "|" for row in rows)
 
 
 def lengths_cell(runs: list[dict[str, Any]]) -> str:
