@@ -83,6 +83,8 @@ ARMS: dict[str, list[str]] = {
     "reference_check": ["reward.reference_check=true"],
     # the tie-breaker reads each reference token's margin to the greedy choice, not its log-prob
     "margin": ["reward.reference_signal=margin"],
+    # the margin kept whatever the check says (where the check drops it, `margin` runs without it)
+    "margin_unchecked": ["reward.reference_signal=margin", "reward.reference_check=false"],
     # sampled completions under common random numbers: a prompt scores a fraction of 4 samples
     "sampled_crn": [
         "generation.temperature=1.0",
