@@ -309,6 +309,23 @@ def paired(a: list[float], b: list[float]) -> dict[str, float]:
     return {"gain": statistics.mean(diff), "se": se, "n": n}
 
 
+def essa_command(
+    config: Path, seed: int, root: Path, overrides: list[str], name: str = "essa"
+) -> tuple[list[str], Path, list[Path]]:
+    """ESSA's ``essa`` arguments, log and kept records (``name``: the run's directory prefix)."""
+    run_dir = root / f"{name}-seed{seed}"
+    args = ["train", str(config), "--overwrite", "--run-dir", str(run_dir),
+            "--set", f"run.seed={seed}", *sets(ESSA_SETS), *sets(overrides)]  # fmt: skip
+    return args, root / f"{name}-seed{seed}.log", [run_dir / f for f in RUN_FILES]
+
+
+def must_run(args: list[str], log: Path, keep: list[Path], reuse: bool) -> bool:
+    """True when a run command has to run: ``--reuse`` finds it neither finished on disk nor
+    in the archive."""
+    finished = reusable(keep[0].parent / "summary.json", log, reuse) is not None
+    return not (finished or (reuse and same_command(args, log) is not None))
+
+
 def essa_seed(
     config: Path,
     seed: int,
@@ -319,10 +336,8 @@ def essa_seed(
     name: str = "essa",
 ) -> dict:
     """One ``essa train`` of the task config (``name``: the run's directory prefix)."""
-    run_dir = root / f"{name}-seed{seed}"
-    args = ["train", str(config), "--overwrite", "--run-dir", str(run_dir),
-            "--set", f"run.seed={seed}", *sets(ESSA_SETS), *sets(overrides)]  # fmt: skip
-    log, keep = root / f"{name}-seed{seed}.log", [run_dir / f for f in RUN_FILES]
+    args, log, keep = essa_command(config, seed, root, overrides, name)
+    run_dir = keep[0].parent
     wall = timed(args, run_dir / "summary.json", log, threads, reuse, keep)
     summary = json.loads((run_dir / "summary.json").read_text())
     scores = passes(run_dir)
@@ -369,9 +384,7 @@ def grpo_needs_sft_adapter(
     from is not on disk: the ESSA run was restored from the archive, which keeps no weights."""
     if Path(essa_run["summary"]["sft_adapter_dir"]).exists():
         return False
-    args, log, keep = grpo_command(config, essa_run, root, overrides)
-    finished = reusable(keep[0].parent / "summary.json", log, reuse) is not None
-    return not (finished or (reuse and same_command(args, log) is not None))
+    return must_run(*grpo_command(config, essa_run, root, overrides), reuse)
 
 
 def grpo_seed(

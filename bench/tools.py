@@ -17,7 +17,8 @@ Per reasoning-gym task (where exact computation helps a 135M model) and seed, fr
 Both SFT adapters train for the same steps outside the budget, as the ESSA paper reports its
 search: inside a budget, the run plan caps SFT at 15% of it, and the longer code-call targets
 then get fewer steps than the plain answers (18 of 48 on products at 1140 s, a held-out score of
-0.032 where a 48-step adapter answered 32 of 32). Every arm then gets ``--budget`` seconds
+0.032 where a 48-step adapter answered 32 of 32). An adapter trains only when an arm that starts
+from it has to run: ``--reuse`` restores an archived arm, which needs no weights. Every arm then gets ``--budget`` seconds
 (``run.max_wall_seconds``, 1140 by default: the SFT adapter's held-out pass, the scaled start and
 the search; the final evaluation comes on top). Reported per arm: held-out accuracy of its SFT
 start and of its final adapter on the same items (paired SE), generations (steps), tool calls
@@ -39,8 +40,11 @@ from typing import Any
 from bench.common import write_result
 from bench.real_model import (
     RESULTS,
+    essa_command,
     essa_seed,
+    grpo_command,
     grpo_seed,
+    must_run,
     paired,
     pooled,
     sets,
@@ -84,6 +88,24 @@ def sft_adapter(config: Path, seed: int, root: Path, name: str, sets_: list[str]
     return adapter.resolve()
 
 
+def sft_path(root: Path, name: str, seed: int) -> Path:
+    """Where :func:`sft_adapter` writes ``name``'s adapter (the arms' ``adapter.path``)."""
+    return (root / f"sft-{name}-seed{seed}" / "sft_adapter").resolve()
+
+
+def arm_adapter(config: Path, seed: int, root: Path, name: str, sets_: list[str],
+                commands: list[tuple[list[str], Path, list[Path]]], trained: set[str],
+                args: argparse.Namespace) -> None:  # fmt: skip
+    """Train ``name``'s SFT adapter (once: ``trained``) when one of the arm ``commands``
+    starting from it has to run: an arm the archive restores needs no weights, and SFT costs
+    minutes."""
+    if name in trained or not any(must_run(*command, args.reuse) for command in commands):
+        return
+    print(f"[tools] {root.name} seed {seed}: {name} SFT adapter ...", flush=True)
+    sft_adapter(config, seed, root, name, sets_, args)
+    trained.add(name)
+
+
 def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.root) / task
     config = task_config(task, TASKS[task], root)
@@ -93,22 +115,28 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
               *args.overrides]  # fmt: skip
     arms: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
     for seed in args.seeds:
-        print(f"[tools] {task} seed {seed}: SFT adapters ...", flush=True)
-        text_sft = sft_adapter(config, seed, root, "text", args.overrides, args)
-        tool_sft = sft_adapter(config, seed, root, "tool", [*TOOLS, *args.overrides], args)
+        text_sets = [f"adapter.path={sft_path(root, 'text', seed)}", *budget]
+        tool_sets = [*TOOLS, f"adapter.path={sft_path(root, 'tool', seed)}", *budget]
+        trained: set[str] = set()
         print(f"[tools] {task} seed {seed}: text ESSA ...", flush=True)
-        text = essa_seed(config, seed, root, [f"adapter.path={text_sft}", *budget],
-                         args.threads, args.reuse, name="text")  # fmt: skip
+        arm_adapter(config, seed, root, "text", args.overrides,
+                    [essa_command(config, seed, root, text_sets, "text")], trained, args)  # fmt: skip
+        text = essa_seed(config, seed, root, text_sets, args.threads, args.reuse, "text")
         arms["text ESSA"].append(arm_record("text ESSA", text))
         print(f"[tools] {task} seed {seed}: tool ESSA ...", flush=True)
-        tool = essa_seed(config, seed, root, [*TOOLS, f"adapter.path={tool_sft}", *budget],
-                         args.threads, args.reuse, "tool")  # fmt: skip
+        tool_commands = [essa_command(config, seed, root, tool_sets, "tool")]
+        arm_adapter(config, seed, root, "tool", [*TOOLS, *args.overrides], tool_commands, trained,
+                    args)  # fmt: skip
+        tool = essa_seed(config, seed, root, tool_sets, args.threads, args.reuse, "tool")
         arms["tool ESSA"].append(arm_record("tool ESSA", tool))
         if args.grpo:
             print(f"[tools] {task} seed {seed}: tool GRPO ...", flush=True)
             # grpo_seed gives GRPO the ESSA run's wall-clock; the same budget is fairer here.
             tool["summary"] = {**tool["summary"], "wall_seconds": args.budget}
-            grpo = grpo_seed(config, tool, root, [*TOOLS, *budget], args.threads, args.reuse)
+            grpo_sets = [*TOOLS, *budget]
+            arm_adapter(config, seed, root, "tool", [*TOOLS, *args.overrides],
+                        [grpo_command(config, tool, root, grpo_sets)], trained, args)  # fmt: skip
+            grpo = grpo_seed(config, tool, root, grpo_sets, args.threads, args.reuse)
             arms["tool GRPO"].append(arm_record("tool GRPO", grpo))
         record = arms["tool ESSA"][-1]
         print(f"[tools] {task} seed {seed}: text {arms['text ESSA'][-1]['final']:.3f}, tool "

@@ -1,6 +1,13 @@
-"""bench.tools' table from a result record (the runs themselves are the bench's)."""
+"""bench.tools' table from a result record and when it trains an SFT adapter (the runs
+themselves are the bench's)."""
 
 from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
 
 from bench.tools import table
 
@@ -23,3 +30,44 @@ def test_table_has_a_row_per_task_and_arm_with_tool_use() -> None:
         lines[2] == "| products | text ESSA | 1 | 0.500 | 0.600 | +0.100 (0.020) | 21 | - | - | - |"
     )
     assert lines[3].endswith("| 21 | 1.00 | 0.02 | 0.90 |")
+
+
+def test_an_sft_adapter_trains_once_and_only_for_an_arm_that_must_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An arm the archive restores needs no weights: its SFT adapter is not trained again."""
+    import bench.real_model as rm
+    import bench.tools as tools
+
+    monkeypatch.setattr(rm, "ARCHIVE", tmp_path / "archive")
+    trained: list[str] = []
+    monkeypatch.setattr(tools, "sft_adapter", lambda *a: trained.append(a[3]))
+    root = tmp_path / "runs" / "products"
+    root.mkdir(parents=True)
+    config = root / "config.yaml"
+    config.write_text("sft: {steps: 48}\n")
+    args = argparse.Namespace(reuse=True)
+    sets_ = [f"adapter.path={tools.sft_path(root, 'tool', 0)}"]
+    command = rm.essa_command(config, 0, root, sets_, "tool")
+
+    done: set[str] = set()
+    tools.arm_adapter(config, 0, root, "tool", [], [command], done, args)
+    tools.arm_adapter(config, 0, root, "tool", [], [command], done, args)  # the GRPO arm
+    assert trained == ["tool"]
+
+    cmd_args, log, keep = command
+    keep[0].parent.mkdir(parents=True)
+    (keep[0].parent / "config.yaml").write_text(
+        json.dumps(rm.effective(cmd_args, config.read_text())["config"])
+    )
+    for path in keep[1:]:
+        path.write_text("{}\n")
+    rm.archive(cmd_args, log, 1140.0, keep)  # the arm ran and was archived ...
+    for path in keep:
+        path.unlink()  # ... on another machine: restorable, no SFT
+    tools.arm_adapter(config, 0, root, "tool", [], [command], set(), args)
+    assert trained == ["tool"]
+    tools.arm_adapter(
+        config, 0, root, "tool", [], [command], set(), argparse.Namespace(reuse=False)
+    )
+    assert trained == ["tool", "tool"]
