@@ -110,19 +110,28 @@ def write_result(
     return path
 
 
+# Levels of a record written one key a line; anything deeper (a run's summary inside a task's
+# list of runs) goes on one line, which keeps bench/results under its budget in git.
+RECORD_LEVELS = 4
+
+
 def record_json(value: Any, indent: int = 0) -> str:
-    """JSON with one key per line but every list of scalars on one line: the per-generation
-    curves are most of a record, and one number a line tripled the records' size in git."""
+    """JSON with one key per line down to :data:`RECORD_LEVELS` levels and every list of
+    scalars on one line: the per-generation curves are most of a record, and one number a line
+    tripled the records' size in git."""
     pad = " " * indent
+    end = "\n" if indent == 0 else ""
+    if indent >= RECORD_LEVELS:
+        return pad + json.dumps(value) + end
     if isinstance(value, dict) and value:
         items = (f'{pad} {json.dumps(str(k))}: {record_json(v, indent + 1).lstrip()}'
                  for k, v in value.items())  # fmt: skip
         body = ",\n".join(items)
-        return f"{pad}{{\n{body}\n{pad}}}" + ("\n" if indent == 0 else "")
+        return f"{pad}{{\n{body}\n{pad}}}" + end
     if isinstance(value, list) and any(isinstance(v, dict | list) for v in value):
         body = ",\n".join(record_json(v, indent + 1) for v in value)
-        return f"{pad}[\n{body}\n{pad}]" + ("\n" if indent == 0 else "")
-    return pad + json.dumps(value) + ("\n" if indent == 0 else "")
+        return f"{pad}[\n{body}\n{pad}]" + end
+    return pad + json.dumps(value) + end
 
 
 def read_result(name: str) -> dict[str, Any] | None:

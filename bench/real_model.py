@@ -679,6 +679,52 @@ def short_table(result: dict[str, Any]) -> str:
     return "\n".join("|" + "|".join(row[i] for i in keep) + "|" for row in rows)
 
 
+def check_cell(scale_baseline: dict[str, Any] | None) -> str:
+    """The tie-breaker's check at the scaled start: kept (it raised the training reward), kept
+    on a tie of the two rewards, or dropped; "-" for a run without it.
+
+    >>> check_cell({"reference_check": {"agrees": True, "reward_with": 0.2, "reward_without": 0.2}})
+    'kept (tie)'
+    """
+    check = (scale_baseline or {}).get("reference_check")
+    if not check:
+        return "-"
+    if not check["agrees"]:
+        return "dropped"
+    return "kept (tie)" if check["reward_with"] == check["reward_without"] else "kept"
+
+
+def seeds_table(result: dict[str, Any]) -> str:
+    """One row per task and seed: the SFT adapter, the scaled start the search began from, the
+    tie-breaker's check, the final adapter and its paired gains, the plan's prompts per
+    generation, generations, run seconds and peak RSS."""
+    lines = [
+        "| task | seed | SFT | start | check | ESSA | ESSA - SFT (paired SE) | ESSA - start (SE) "
+        "| margin prompts (median) | generations | run s | peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for task, t in result["tasks"].items():
+        for r in t["essa"]:
+            s, acc = r["summary"], r["accuracy"]
+            scale = s.get("scale_baseline") or {}
+            start = f"x{scale['factor']:g}: {acc['scale']:.3f}" if "scale" in acc else "-"
+            vs_start = r.get("essa_vs_scale")
+            margin = r.get("margin_prompts_median")
+            prompts = s.get("plan", {}).get("prompts")
+            p = r["essa_vs_sft"]
+            lines.append(
+                f"| {task} | {r['seed']} | {acc['sft']:.3f} | {start} | {check_cell(scale)} | "
+                f"{acc['final']:.3f} | {p['gain']:+.3f} ({p['se']:.3f}) | "
+                + (f"{vs_start['gain']:+.3f} ({vs_start['se']:.3f})" if vs_start else "-")
+                + " | "
+                + (f"{margin:.1f} of {prompts}" if margin is not None else "-")
+                + f" | {s['generations']} | {s['wall_seconds']:.0f} | "
+                + (f"{s['peak_rss_mb']:.0f} MB" if s.get("peak_rss_mb") else "-")
+                + " |"
+            )
+    return "\n".join(lines)
+
+
 def lengths_cell(runs: list[dict[str, Any]]) -> str:
     """The task's mean prompt and reference-answer lengths in the model's tokens, as the plan
     measured them on the first seed's data; "-" for runs made before the plan existed.
@@ -838,6 +884,7 @@ def main() -> None:
     write_result(args.out, result, command.strip())
     (RESULTS / f"{args.out}.md").write_text(table(result) + "\n")
     (RESULTS / f"{args.out}_short.md").write_text(short_table(result) + "\n")
+    (RESULTS / f"{args.out}_seeds.md").write_text(seeds_table(result) + "\n")
     drift = drift_table(result)
     if drift:
         (RESULTS / f"{args.out}_drift.md").write_text(drift + "\n")

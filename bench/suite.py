@@ -29,10 +29,10 @@ from bench.common import RESULTS, Row, compact_png, read_result, row
 
 BENCH_DIR = Path(__file__).resolve().parent
 DOC = Path("docs/performance.md")
-# docs/results.md is prose around the studies' own tables: each block between
-# "<!-- table: bench/results/NAME.md -->" and "<!-- end table -->" is that file's table, copied
-# in by `python -m bench --report-only` (and by any run), never edited by hand.
-RESULTS_DOC = Path("docs/results.md")
+# docs/results.md (and any page of docs/) is prose around the studies' own tables: each block
+# between "<!-- table: bench/results/NAME.md -->" and "<!-- end table -->" is that file's table,
+# copied in by `python -m bench --report-only` (and by any run), never edited by hand.
+DOCS = Path("docs")
 TABLE_BLOCK = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
 LOGS = Path("runs/bench-suite")
 BUDGET_SECONDS = 15 * 60
@@ -311,9 +311,11 @@ def write_report(ran_now: set[str]) -> None:
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text(render(ran_now))
     print(f"[bench] wrote {DOC}", flush=True)
-    if RESULTS_DOC.exists():
-        RESULTS_DOC.write_text(sync_tables(RESULTS_DOC.read_text()))
-        print(f"[bench] refreshed the study tables of {RESULTS_DOC}", flush=True)
+    for page in sorted(DOCS.glob("*.md")):
+        text = page.read_text()
+        if TABLE_BLOCK.search(text):
+            page.write_text(sync_tables(text))
+            print(f"[bench] refreshed the study tables of {page}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

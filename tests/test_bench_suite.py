@@ -154,6 +154,17 @@ def test_results_page_tables_are_the_studies_own() -> None:
     assert suite.sync_tables(text, REPO) == text, "run: python -m bench --report-only"
 
 
+def test_every_docs_table_block_is_its_study_file() -> None:
+    """A table block on any page of docs/ is synced as on results.md's, so none drifts."""
+    pages = {p.name: p.read_text() for p in sorted((REPO / "docs").glob("*.md"))}
+    blocked = {name for name, text in pages.items() if suite.TABLE_BLOCK.search(text)}
+    assert {"results.md", "drift.md", "real-model.md"} <= blocked
+    for name in blocked:
+        assert suite.sync_tables(pages[name], REPO) == pages[name], (
+            f"docs/{name}: run python -m bench --report-only"
+        )
+
+
 def test_sync_tables_replaces_a_stale_block(tmp_path: Path) -> None:
     (tmp_path / "study.md").write_text("Title\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
     stale = "x\n<!-- table: study.md -->\n| a |\n|---|\n| 0 |\n<!-- end table -->\ny\n"
