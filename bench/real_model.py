@@ -707,21 +707,18 @@ def seeds_table(result: dict[str, Any]) -> str:
         for r in t["essa"]:
             s, acc = r["summary"], r["accuracy"]
             scale = s.get("scale_baseline") or {}
-            start = f"x{scale['factor']:g}: {acc['scale']:.3f}" if "scale" in acc else "-"
-            vs_start = r.get("essa_vs_scale")
-            margin = r.get("margin_prompts_median")
-            prompts = s.get("plan", {}).get("prompts")
+            vs_start, margin = r.get("essa_vs_scale"), r.get("margin_prompts_median")
             p = r["essa_vs_sft"]
-            lines.append(
-                f"| {task} | {r['seed']} | {acc['sft']:.3f} | {start} | {check_cell(scale)} | "
-                f"{acc['final']:.3f} | {p['gain']:+.3f} ({p['se']:.3f}) | "
-                + (f"{vs_start['gain']:+.3f} ({vs_start['se']:.3f})" if vs_start else "-")
-                + " | "
-                + (f"{margin:.1f} of {prompts}" if margin is not None else "-")
-                + f" | {s['generations']} | {s['wall_seconds']:.0f} | "
-                + (f"{s['peak_rss_mb']:.0f} MB" if s.get("peak_rss_mb") else "-")
-                + " |"
-            )
+            cells = [
+                task, r["seed"], f"{acc['sft']:.3f}",
+                f"x{scale['factor']:g}: {acc['scale']:.3f}" if "scale" in acc else "-",
+                check_cell(scale), f"{acc['final']:.3f}", f"{p['gain']:+.3f} ({p['se']:.3f})",
+                f"{vs_start['gain']:+.3f} ({vs_start['se']:.3f})" if vs_start else "-",
+                "-" if margin is None else f"{margin:.1f} of {s.get('plan', {}).get('prompts')}",
+                s["generations"], f"{s['wall_seconds']:.0f}",
+                f"{s['peak_rss_mb']:.0f} MB" if s.get("peak_rss_mb") else "-",
+            ]  # fmt: skip
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 

@@ -18,12 +18,12 @@ Both SFT adapters train for the same steps outside the budget, as the ESSA paper
 search: inside a budget, the run plan caps SFT at 15% of it, and the longer code-call targets
 then get fewer steps than the plain answers (18 of 48 on products at 1140 s, a held-out score of
 0.032 where a 48-step adapter answered 32 of 32). An adapter trains only when an arm that starts
-from it has to run: ``--reuse`` restores an archived arm, which needs no weights. Every arm then gets ``--budget`` seconds
-(``run.max_wall_seconds``, 1140 by default: the SFT adapter's held-out pass, the scaled start and
-the search; the final evaluation comes on top). Reported per arm: held-out accuracy of its SFT
-start and of its final adapter on the same items (paired SE), generations (steps), tool calls
-per item, the tool error rate and the share of items whose final answer a tool run printed (the
-final held-out pass's ``tools`` in summary.json).
+from it has to run: ``--reuse`` restores an archived arm, which needs no weights. Every arm then
+gets ``--budget`` seconds (``run.max_wall_seconds``, 1140 by default: the SFT adapter's held-out
+pass, the scaled start and the search; the final evaluation comes on top). Reported per arm:
+held-out accuracy of its SFT start and of its final adapter on the same items (paired SE),
+generations (steps), tool calls per item, the tool error rate and the share of items whose final
+answer a tool run printed (the final held-out pass's ``tools`` in summary.json).
 
 Writes bench/results/tools.json and tools.md (the table in docs/results.md).
 Everything the runs print goes to <root>/<task>/*.log.
@@ -76,21 +76,20 @@ def arm_record(arm: str, run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def sft_adapter(config: Path, seed: int, root: Path, name: str, sets_: list[str],
-                args: argparse.Namespace) -> Path:  # fmt: skip
-    """``essa sft`` for the config's steps: the adapter every arm of ``name`` starts from."""
-    run_dir = root / f"sft-{name}-seed{seed}"
-    cli = ["sft", str(config), "--overwrite", "--run-dir", str(run_dir),
-           "--set", f"run.seed={seed}", *sets(sets_)]  # fmt: skip
-    adapter = run_dir / "sft_adapter"
-    timed(cli, adapter / "adapter_model.safetensors", root / f"sft-{name}-seed{seed}.log",
-          args.threads, args.reuse)  # fmt: skip
-    return adapter.resolve()
-
-
 def sft_path(root: Path, name: str, seed: int) -> Path:
     """Where :func:`sft_adapter` writes ``name``'s adapter (the arms' ``adapter.path``)."""
     return (root / f"sft-{name}-seed{seed}" / "sft_adapter").resolve()
+
+
+def sft_adapter(config: Path, seed: int, root: Path, name: str, sets_: list[str],
+                args: argparse.Namespace) -> None:  # fmt: skip
+    """``essa sft`` for the config's steps into :func:`sft_path`: the adapter every arm of
+    ``name`` starts from."""
+    adapter = sft_path(root, name, seed)
+    cli = ["sft", str(config), "--overwrite", "--run-dir", str(adapter.parent),
+           "--set", f"run.seed={seed}", *sets(sets_)]  # fmt: skip
+    timed(cli, adapter / "adapter_model.safetensors", root / f"sft-{name}-seed{seed}.log",
+          args.threads, args.reuse)  # fmt: skip
 
 
 def arm_adapter(config: Path, seed: int, root: Path, name: str, sets_: list[str],
