@@ -118,8 +118,8 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
         tool_sets = [*TOOLS, f"adapter.path={sft_path(root, 'tool', seed)}", *budget]
         trained: set[str] = set()
         print(f"[tools] {task} seed {seed}: text ESSA ...", flush=True)
-        arm_adapter(config, seed, root, "text", args.overrides,
-                    [essa_command(config, seed, root, text_sets, "text")], trained, args)  # fmt: skip
+        text_commands = [essa_command(config, seed, root, text_sets, "text")]
+        arm_adapter(config, seed, root, "text", args.overrides, text_commands, trained, args)
         text = essa_seed(config, seed, root, text_sets, args.threads, args.reuse, "text")
         arms["text ESSA"].append(arm_record("text ESSA", text))
         print(f"[tools] {task} seed {seed}: tool ESSA ...", flush=True)
