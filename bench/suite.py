@@ -29,10 +29,11 @@ from bench.common import RESULTS, Row, compact_png, read_result, row
 
 BENCH_DIR = Path(__file__).resolve().parent
 DOC = Path("docs/performance.md")
-# docs/results.md (and any page of docs/) is prose around the studies' own tables: each block
+# docs/results.md (any page of docs/, and README) is prose around the studies' own tables: each block
 # between "<!-- table: bench/results/NAME.md -->" and "<!-- end table -->" is that file's table,
 # copied in by `python -m bench --report-only` (and by any run), never edited by hand.
 DOCS = Path("docs")
+README = Path("README.md")  # its headline tables are blocks too
 TABLE_BLOCK = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
 LOGS = Path("runs/bench-suite")
 BUDGET_SECONDS = 15 * 60
@@ -311,8 +312,8 @@ def write_report(ran_now: set[str]) -> None:
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text(render(ran_now))
     print(f"[bench] wrote {DOC}", flush=True)
-    for page in sorted(DOCS.glob("*.md")):
-        text = page.read_text()
+    for page in [README, *sorted(DOCS.glob("*.md"))]:
+        text = page.read_text() if page.exists() else ""
         if TABLE_BLOCK.search(text):
             page.write_text(sync_tables(text))
             print(f"[bench] refreshed the study tables of {page}", flush=True)

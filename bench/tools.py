@@ -25,13 +25,15 @@ held-out accuracy of its SFT start and of its final adapter on the same items (p
 generations (steps), tool calls per item, the tool error rate and the share of items whose final
 answer a tool run printed (the final held-out pass's ``tools`` in summary.json).
 
-Writes bench/results/tools.json and tools.md (the table in docs/results.md).
+Writes bench/results/tools.json, tools.md (the table in docs/tools.md and docs/results.md) and
+tools_summary.md (README's table).
 Everything the runs print goes to <root>/<task>/*.log.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -60,8 +62,15 @@ TOOLS = ["tools.python.max_tool_calls=1", "data.template=python_tool"]
 ARMS = ("text ESSA", "tool ESSA", "tool GRPO")
 
 
+def step_seconds(run_dir: Path) -> float | None:
+    """Median wall-clock seconds of a generation (a GRPO step) in the run's metrics.jsonl."""
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    seconds = [r["seconds"] for r in rows if "seconds" in r and r.get("event") != "baseline"]
+    return statistics.median(seconds) if seconds else None
+
+
 def arm_record(arm: str, run: dict[str, Any]) -> dict[str, Any]:
-    """What the table reads of one run: accuracies, the paired gain over SFT, tool use."""
+    """What the table reads of one run: accuracies, the paired gain over SFT, tool use, cost."""
     summary = run["summary"]
     gain = run.get("essa_vs_sft") or run.get("grpo_vs_sft")
     return {
@@ -72,6 +81,8 @@ def arm_record(arm: str, run: dict[str, Any]) -> dict[str, Any]:
         "vs_sft": gain,
         "steps": summary["generations"],
         "wall_seconds": summary["wall_seconds"],
+        "step_seconds": step_seconds(Path(run["run_dir"])),
+        "peak_rss_mb": summary.get("peak_rss_mb"),
         "tools": summary.get("tools"),
     }
 
@@ -164,8 +175,9 @@ def paired_finals(root: Path, a: str, b: str, seed: int) -> dict[str, float]:
 def table(result: dict[str, Any]) -> str:
     rows = [
         "| task | arm | seeds | SFT | final | final - SFT (SE) | generations / steps | "
-        "tool calls / item | tool errors | answer printed by a tool |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "tool calls / item | tool errors | answer printed by a tool | s / generation | "
+        "peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for task, t in result["tasks"].items():
         for arm, runs in t["arms"].items():
@@ -178,9 +190,37 @@ def table(result: dict[str, Any]) -> str:
             rows.append(
                 f"| {task} | {arm} | {len(runs)} | {statistics.mean(r['sft'] for r in runs):.3f} | "
                 f"{statistics.mean(r['final'] for r in runs):.3f} | {p['gain']:+.3f} ({p['se']:.3f}) | "
-                f"{statistics.mean(r['steps'] for r in runs):.0f} | {mean('tool_calls_per_row')} | {mean('tool_error_rate')} | {mean('tool_output_used')} |"
+                f"{statistics.mean(r['steps'] for r in runs):.0f} | {mean('tool_calls_per_row')} | {mean('tool_error_rate')} | {mean('tool_output_used')} | "
+                f"{cost(runs)}"
             )
     return "\n".join(rows)
+
+
+def summary_table(result: dict[str, Any]) -> str:
+    """README's table: per task and arm, the mean held-out score of the SFT start and of the
+    final adapter over seeds, with the pooled gain and its SE."""
+    rows = ["| task | " + " | ".join(ARMS) + " |", "|---|" + "---|" * len(ARMS)]
+    for task, t in result["tasks"].items():
+        cells = []
+        for arm in ARMS:
+            runs, p = t["arms"].get(arm), t["pooled"].get(arm)
+            cells.append(
+                f"{statistics.mean(r['sft'] for r in runs):.3f} -> "
+                f"{statistics.mean(r['final'] for r in runs):.3f} ({p['gain']:+.3f}, SE "
+                f"{p['se']:.3f})" if runs else "-"
+            )  # fmt: skip
+        rows.append(f"| {task} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def cost(runs: list[dict[str, Any]]) -> str:
+    """The cost cells of a table row: the median seconds a generation (a GRPO step) took,
+    averaged over seeds, and the largest peak RSS of any seed."""
+    seconds = [r["step_seconds"] for r in runs if r.get("step_seconds")]
+    rss = [r["peak_rss_mb"] for r in runs if r.get("peak_rss_mb")]
+    return (f"{statistics.mean(seconds):.0f} | " if seconds else "- | ") + (
+        f"{max(rss) / 1000:.1f} GB |" if rss else "- |"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -205,6 +245,7 @@ def main() -> None:
         result["tasks"][task] = run_task(task, args)
     write_result(args.out, result, ("python -m bench.tools " + " ".join(sys.argv[1:])).strip())
     (RESULTS / f"{args.out}.md").write_text(table(result) + "\n")
+    (RESULTS / f"{args.out}_summary.md").write_text(summary_table(result) + "\n")
     print(table(result))
 
 

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.tools import table
+from bench.tools import cost, step_seconds, summary_table, table
 
 
-def arm(name: str, final: float, tools: dict | None) -> dict:
+def arm(name: str, final: float, tools: dict | None, **cost: float) -> dict:
     return {"arm": name, "seed": 0, "sft": 0.5, "final": final, "steps": 21,
-            "vs_sft": {"gain": final - 0.5, "se": 0.02}, "wall_seconds": 1200.0, "tools": tools}  # fmt: skip
+            "vs_sft": {"gain": final - 0.5, "se": 0.02}, "wall_seconds": 1200.0, "tools": tools,
+            **cost}  # fmt: skip
 
 
 def test_table_has_a_row_per_task_and_arm_with_tool_use() -> None:
@@ -26,10 +27,38 @@ def test_table_has_a_row_per_task_and_arm_with_tool_use() -> None:
     }}}  # fmt: skip
     lines = table(result).splitlines()
     assert len(lines) == 4
-    assert (
-        lines[2] == "| products | text ESSA | 1 | 0.500 | 0.600 | +0.100 (0.020) | 21 | - | - | - |"
+    assert lines[2] == (
+        "| products | text ESSA | 1 | 0.500 | 0.600 | +0.100 (0.020) | 21 | - | - | - | - | - |"
     )
-    assert lines[3].endswith("| 21 | 1.00 | 0.02 | 0.90 |")
+    assert lines[3].endswith("| 21 | 1.00 | 0.02 | 0.90 | - | - |")
+
+
+def test_summary_table_has_a_cell_per_task_and_arm() -> None:
+    result = {"tasks": {"products": {
+        "arms": {"text ESSA": [arm("text ESSA", 0.6, None), arm("text ESSA", 0.7, None)],
+                 "tool ESSA": [arm("tool ESSA", 0.9, None)]},
+        "pooled": {"text ESSA": {"gain": 0.15, "se": 0.014}, "tool ESSA": {"gain": 0.4, "se": 0.02}},
+    }}}  # fmt: skip
+    assert summary_table(result).splitlines() == [
+        "| task | text ESSA | tool ESSA | tool GRPO |",
+        "|---|---|---|---|",
+        "| products | 0.500 -> 0.650 (+0.150, SE 0.014) | 0.500 -> 0.900 (+0.400, SE 0.020) | - |",
+    ]
+
+
+def test_cost_cells_average_the_seconds_and_keep_the_largest_peak_rss() -> None:
+    """Seconds a generation: the mean over seeds of each run's median; memory: the worst seed."""
+    runs = [arm("tool ESSA", 0.9, None, step_seconds=44.5, peak_rss_mb=4021.6),
+            arm("tool ESSA", 0.9, None, step_seconds=47.5, peak_rss_mb=4518.2)]  # fmt: skip
+    assert cost(runs) == "46 | 4.5 GB |"
+    assert cost([arm("tool ESSA", 0.9, None)]) == "- | - |"  # records from before the columns
+
+
+def test_step_seconds_is_the_median_generation_without_the_baseline(tmp_path: Path) -> None:
+    rows = [{"event": "baseline", "generation": -1, "seconds": 300.0}, {"generation": 0, "seconds": 40.0},
+            {"generation": 1, "seconds": 50.0}, {"generation": 2, "seconds": 44.0}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert step_seconds(tmp_path) == 44.0
 
 
 def test_an_sft_adapter_trains_once_and_only_for_an_arm_that_must_run(
