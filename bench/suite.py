@@ -29,9 +29,9 @@ from bench.common import RESULTS, Row, compact_png, read_result, row
 
 BENCH_DIR = Path(__file__).resolve().parent
 DOC = Path("docs/performance.md")
-# docs/results.md (any page of docs/, and README) is prose around the studies' own tables: each block
-# between "<!-- table: bench/results/NAME.md -->" and "<!-- end table -->" is that file's table,
-# copied in by `python -m bench --report-only` (and by any run), never edited by hand.
+# docs/results.md (any page of docs/, and README) is prose around the studies' own tables: each
+# block between "<!-- table: bench/results/NAME.md -->" and "<!-- end table -->" is that file's
+# table, copied in by `python -m bench --report-only` (and by any run), never edited by hand.
 DOCS = Path("docs")
 README = Path("README.md")  # its headline tables are blocks too
 TABLE_BLOCK = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
