@@ -378,7 +378,7 @@ def test_a_budgeted_run_prints_its_plan_and_records_plan_vs_actual(tmp_path: Pat
 def test_a_budget_too_small_fails_before_sft_in_one_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     res = essa("train", "--run-dir", str(run_dir), *sets(*TINY, "run.max_wall_seconds=0.5"))
-    assert res.returncode == 2
+    assert res.returncode == 2, (res.returncode, res.stdout[-2000:], res.stderr[-2000:])
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     assert lines[-1].startswith("error: run.max_wall_seconds: 0.5 s holds"), res.stderr
     assert "Traceback" not in res.stderr
