@@ -405,6 +405,15 @@ class Reporter:
 
 
 HELDOUT_SCORES_NAME = "heldout_scores.jsonl"
+HELDOUT_RECORD_KEYS = ("generation", "final", "metric", "pass", "scores")
+
+
+def heldout_record(
+    generation: int, final: bool, metric: str, name: str, scores: Sequence[float]
+) -> JSONDict:
+    """One record of heldout_scores.jsonl (keys :data:`HELDOUT_RECORD_KEYS`)."""
+    values = (generation, final, metric, name, [float(s) for s in scores])
+    return dict(zip(HELDOUT_RECORD_KEYS, values, strict=True))
 
 
 class Harness:
@@ -512,25 +521,25 @@ class Harness:
         generation: int | None = None,
         *,
         final: bool = False,
+        name: str = "held-out",
     ) -> float:
         """Mean held-out score of ``texts`` under ``evaluation.metric`` (rank 0's call).
 
         With ``generation`` (-1: the SFT baseline; the steps done for ``final``) the first
-        held-out items also go to samples.jsonl, the trackers and the console.
+        held-out items also go to samples.jsonl, the trackers and the console, and the pass
+        (``name``) to heldout_scores.jsonl.
         """
         mean, scores = score_heldout(self.metric, texts, examples, prompts)
         if generation is not None:
             self._samples(generation, final, texts, examples, scores)
-            self._item_scores(generation, final, scores)
+            self._item_scores(generation, final, scores, name)
         return mean
 
-    def _item_scores(
-        self, generation: int, final: bool, scores: Sequence[float], name: str | None = None
-    ) -> None:
-        record = {"generation": generation, "final": final, "metric": self.metric_name}
-        if name is not None:
-            record["pass"] = name
-        self.heldout_scores.write({**record, "scores": [float(s) for s in scores]})
+    def _item_scores(self, generation: int, final: bool, scores: Sequence[float], name: str) -> None:
+        """heldout_scores.jsonl's one record format, the same for every recipe: the pass's name
+        ("held-out baseline", "held-out", "scale baseline held-out", "final held-out"), the
+        steps done, whether it is the final pass, the metric and the per-item scores."""
+        self.heldout_scores.write(heldout_record(generation, final, self.metric_name, name, scores))
 
     def _samples(
         self,
@@ -570,7 +579,8 @@ class Harness:
         if generation is not None and self.is_root and texts:
             self._samples(generation, final, texts, examples[part], mine)
         if generation is not None or name is not None:
-            self._item_scores(-1 if generation is None else generation, final, scores, name)
+            step = -1 if generation is None else generation
+            self._item_scores(step, final, scores, "held-out" if name is None else name)
         return sum(scores) / len(scores) if scores else float("nan")
 
     def _samples_title(self, generation: int, final: bool) -> str:
@@ -659,8 +669,10 @@ class Step:
         name = f"  {self.harness.unit[:-1]} {self.index + 1}"
         return self.harness.phase(name, total, unit="rows", log=False)
 
-    def finish(self, record: JSONDict, save: Callable[[], None]) -> None:
+    def finish(self, record: JSONDict, save: Callable[[], None], stop: str | None = None) -> None:
         """Log ``record``, checkpoint when due (always before stopping), advance the bar.
+        ``stop``: the recipe's own reason to end the loop after this step (every rank passes
+        the same); a signal or the budget still comes first.
 
         Metrics first: a kill between the two writes redoes the step on resume, which drops and
         rewrites its record; the other order could lose the record.
@@ -668,7 +680,9 @@ class Step:
         h = self.harness
         done = self.index + 1
         h.step_seconds.append(time.perf_counter() - self.started)
-        self.stop_reason = self._stop_reason(done)
+        self.stop_reason = self._stop_reason(done)  # every rank takes part, whatever stop says
+        if self.signum is None and stop is not None:
+            self.stop_reason = stop
         last = done >= h.cfg.run.generations
         with stop_on_storage_error(h.run_dir, h._saved, h.unit):
             h.log(record)
@@ -677,7 +691,8 @@ class Step:
                 h._saved = done
         fields = self.show(record)
         self.bar.advance(1, **fields)  # off a terminal, this step's line with these fields
-        if "heldout_accuracy" in record and h.reporter.live:  # kept: the live bar is transient
+        checked = "heldout_accuracy" in record or "val_accuracy" in record
+        if checked and h.reporter.live:  # kept: the live bar is transient
             text = " ".join(f"{k} {_fmt(v)}" for k, v in fields.items())
             h.say(f"{h.unit[:-1]} {done}: {text}")
 
