@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -47,6 +47,7 @@ from essa.types import Population
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 PROBE_MARGIN = 0.10  # `auto` decides once one strategy's summed cost is this much lower
 MAX_PROBES = 3  # ... or after this many probed populations, on the summed costs
 
@@ -74,6 +75,40 @@ def is_out_of_memory(err: BaseException) -> bool:
     if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
         return True
     return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+
+
+def halving_on_oom(run: Callable[[int], T], micro_batch_size: int, what: str) -> tuple[T, int]:
+    """``run(micro_batch_size)``; on out-of-memory, the micro-batch halved and ``run`` again
+    (logged), down to one sequence per forward, then a UserError naming ``what`` ran out.
+    Returns the result and the micro-batch size that held."""
+    while True:
+        try:
+            return run(micro_batch_size), micro_batch_size
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            if micro_batch_size == 1:
+                raise UserError(
+                    f"out of memory during {what} even at one sequence per forward; "
+                    "lower generation.max_new_tokens or use a smaller or quantised model "
+                    f"({type(err).__name__})"
+                ) from None
+            _release_memory()
+            smaller = max(1, micro_batch_size // 2)
+            log.warning(
+                "out of memory with micro_batch_size=%d (%s); retrying with %d",
+                micro_batch_size,
+                type(err).__name__,
+                smaller,
+            )
+            micro_batch_size = smaller
+
+
+def _release_memory() -> None:
+    # The failed call's activations are garbage now; hand the cached blocks back to the
+    # allocator so that the retry can use them (the one place we empty the CUDA cache).
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @dataclass
@@ -245,37 +280,15 @@ class PopulationEvaluator:
         self, strategy: str, population: Population, prompts: Sequence[str], seed: int | None
     ) -> tuple[list[list[str]], int, list[bool]]:
         """Run one strategy; on out-of-memory halve ``micro_batch_size`` and run it again."""
-        while True:
-            try:
-                if strategy == "batched":
-                    return self._batched(population, prompts, seed)
-                return self._merged(population, prompts, seed)
-            except Exception as err:
-                if not is_out_of_memory(err):
-                    raise
-                if self.micro_batch_size == 1:
-                    raise UserError(
-                        "out of memory during evaluation even at one sequence per forward; "
-                        "lower generation.max_new_tokens or use a smaller or quantised model "
-                        f"({type(err).__name__})"
-                    ) from None
-                self._release_memory()
-                smaller = max(1, self.micro_batch_size // 2)
-                log.warning(
-                    "out of memory with micro_batch_size=%d (%s); retrying with %d",
-                    self.micro_batch_size,
-                    type(err).__name__,
-                    smaller,
-                )
-                self.micro_batch_size = smaller
 
-    def _release_memory(self) -> None:
-        import torch
+        def attempt(micro_batch_size: int) -> tuple[list[list[str]], int, list[bool]]:
+            self.micro_batch_size = micro_batch_size
+            if strategy == "batched":
+                return self._batched(population, prompts, seed)
+            return self._merged(population, prompts, seed)
 
-        # The failed call's activations are garbage now; hand the cached blocks back to the
-        # allocator so that the retry can use them (the one place we empty the CUDA cache).
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        out, self.micro_batch_size = halving_on_oom(attempt, self.micro_batch_size, "evaluation")
+        return out
 
     def _probe(
         self, population: Population, prompts: Sequence[str], seed: int | None
