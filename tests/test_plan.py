@@ -279,6 +279,113 @@ def test_a_budget_too_small_for_a_useful_search_is_one_line_saying_what_fits() -
     assert (late.population, late.prompts) == (8, 16) and late.generations == 0
 
 
+# ------------------------------------------------------------------------------ robustness
+def _harness(cfg, run_dir: Path):  # type: ignore[no-untyped-def]
+    from essa.dist import get_comm
+    from essa.harness import Harness
+
+    h = Harness(cfg, run_dir, resume=False, console=None, comm=get_comm("local"))
+    h.say = lambda line: None  # type: ignore[method-assign]
+    return h
+
+
+def test_a_first_generation_past_the_budget_plans_no_negative_generations(tmp_path: Path) -> None:
+    """The search's first generation ended after the budget: the re-sized plan holds the one
+    generation done and no negative seconds, in memory and in plan.json."""
+    from essa.es.budget import PLAN_NAME, Budget
+
+    cfg = real_cfg()
+    plan = make_plan(
+        plan_inputs(cfg), Costs(row=0.05, sft_step=1.5, spent=10), test_items=500,
+        train_items=5000,
+    )  # fmt: skip
+    with _harness(cfg, tmp_path) as h:
+        h.elapsed_before = plan.budget + 300.0  # the first generation ended 5 minutes late
+        budget = Budget(plan)
+        resized = budget.resize_prompts(h, 3 * plan.budget / TARGET_GENERATIONS, 1, 40, 32, 32)
+    saved = json.loads((tmp_path / PLAN_NAME).read_text())
+    assert resized is not None and resized.generations == saved["generations"] == 1
+    assert all(v >= 0 for v in saved["seconds"].values()), saved["seconds"]
+
+
+@pytest.mark.parametrize("zero", ["row", "search_row"])
+def test_a_row_measured_at_zero_seconds_plans_the_configured_sizes(zero: str) -> None:
+    """A clock too coarse for one row reads 0 s: the plan prices it at the clock's tick (the
+    configured sizes all fit) instead of dividing by it."""
+    cfg = real_cfg()
+    costs = dataclasses.replace(Costs(row=0.05, sft_step=1.5, spent=10), **{zero: 0.0})
+    plan = make_plan(plan_inputs(cfg), costs, test_items=500, train_items=5000)
+    assert (plan.population, plan.prompts, plan.generations) == (16, 32, 40)
+
+
+def test_a_generation_measured_at_zero_seconds_resizes_without_dividing_by_zero(
+    tmp_path: Path,
+) -> None:
+    from essa.es.budget import Budget
+
+    cfg = real_cfg()
+    plan = make_plan(
+        plan_inputs(cfg), Costs(row=0.05, sft_step=1.5, spent=10), test_items=500,
+        train_items=5000,
+    )  # fmt: skip
+    with _harness(cfg, tmp_path) as h:
+        budget = Budget(plan)
+        resized = budget.resize_prompts(h, 0.0, 1, 40, 20, 32)  # only 20 training prompts
+    assert resized is not None and resized.prompts == 20 and resized.generations == 40
+
+
+def test_a_run_resumed_before_its_first_checkpoint_re_plans_on_the_probes_costs(
+    tmp_path: Path,
+) -> None:
+    """plan.json keeps the probe's costs: a run killed before its first checkpoint re-reads
+    them on resume and re-plans after the held-out baseline on them, not on 0 s."""
+    from essa.es.budget import Budget
+
+    cfg = real_cfg()
+    inputs = plan_inputs(cfg)
+    probed = Costs(row=0.05, sft_step=1.5, spent=10, prefill_token=0.002)
+    plan = make_plan(inputs, probed, test_items=500, train_items=5000)
+    first = Budget(plan, sft_step=1.5, prefill_token=0.002, row=0.05, probe_row=0.05)
+    with _harness(cfg, tmp_path) as h:
+        first.announce(h, "")  # what the first process wrote before it was killed
+        resumed = Budget.start(inputs, h, True, lengths(20), None, None, None, [])
+        resumed.remeasure(inputs, h, 0.04 * 500, 500, 5000)
+        resumed.remeasure_search(inputs, h, 0.01 * 448, 448, 500, 5000)
+    assert resumed.plan is not None
+    assert resumed.plan.costs["sft_step"] == 1.5 and resumed.plan.costs["prefill_token"] == 0.002
+    assert resumed.plan.costs["search_row"] == 0.05  # the probe's row, the dearest measured
+
+
+def test_the_probe_halves_its_micro_batch_on_out_of_memory(tmp_path: Path) -> None:
+    """The probe meets an out-of-memory error as the evaluator does: the micro-batch halves
+    until it fits, and the costs come from the attempt that held. No GPU here: the model's
+    forward is wrapped to raise torch.OutOfMemoryError (what CUDA raises) above 4 rows."""
+    import torch
+
+    from essa.backends.models import load_model
+    from essa.config import ModelConfig
+    from essa.data.loaders import builtin_examples
+    from essa.es.plan import measure_task, probe_costs
+
+    model, tokenizer = load_model(ModelConfig())
+    pool, _ = builtin_examples("builtin:arithmetic")
+    prompts = [ex.prompt for ex in pool[:16]]
+    task = measure_task(tokenizer, prompts, [ex.target for ex in pool[:16]])
+    batches: list[int] = []
+
+    def out_of_memory_above_four_rows(module, args, kwargs):  # type: ignore[no-untyped-def]
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        batches.append(ids.shape[0])
+        if ids.shape[0] > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.register_forward_pre_hook(out_of_memory_above_four_rows, with_kwargs=True)
+    cfg = load_config(None, ["evaluation.micro_batch_size=16", "generation.max_new_tokens=4"])
+    costs = probe_costs(model, tokenizer, prompts, plan_inputs(cfg), 1.0, task)
+    assert costs.row > 0 and costs.sft_step > 0
+    assert 16 in batches and max(batches[batches.index(4) :]) == 4  # 16 -> 8 -> 4, then kept
+
+
 # ------------------------------------------------------------------------------ SFT limit
 def _sft_setup():  # type: ignore[no-untyped-def]
     from essa.backends.models import load_model

@@ -55,9 +55,7 @@ class Budget:
             return cls(lengths=lengths)
         saved = h.run_dir / PLAN_NAME
         if resume and saved.is_file():
-            from essa.es.plan import plan_from_dict
-
-            return cls(plan_from_dict(json.loads(saved.read_text())), lengths)
+            return cls.resumed(json.loads(saved.read_text()), lengths)
         with h.phase("budget probe"):
             probed = probe_costs(model, tokenizer, train_prompts, cfg, h.elapsed, lengths)
             row = _slowest(h, probed.row)
@@ -80,6 +78,19 @@ class Budget:
         budget = cls(plan, lengths, costs.sft_step, costs.prefill_token, costs.row, costs.row)
         budget.announce(h, "")
         return budget
+
+    @classmethod
+    def resumed(cls, saved: dict[str, Any], lengths: TaskLengths) -> Budget:
+        """The budget of a resumed run from its plan.json: the plan and the costs measured
+        before the kill, so that a run resumed before its first checkpoint re-plans on them
+        (with none it would price SFT steps, the KL forward and the probe's row at 0 s)."""
+        from essa.es.plan import plan_from_dict
+
+        plan = plan_from_dict(saved)
+        c = plan.costs
+        row = c.get("row", 0.0)
+        sft_step, prefill = c.get("sft_step", 0.0), c.get("prefill_token", 0.0)
+        return cls(plan, lengths, sft_step, prefill, row, c.get("probe_row", row))
 
     def sft_limit(self, d: DataConfig, tokenizer: Any, task: Task) -> SFTLimit | None:
         """SFT's time limit and loss check (training examples the search also draws from,
@@ -144,11 +155,13 @@ class Budget:
         changes or the run has no plan."""
         if self.plan is None:
             return None
-        from essa.es.plan import TARGET_GENERATIONS, resized_prompts
+        from essa.es.plan import MIN_SECONDS, TARGET_GENERATIONS, resized_prompts
 
         p = self.plan
-        seconds = _slowest(h, seconds)
-        remaining = p.budget - h.elapsed - p.seconds.get("held-out", 0.0)
+        seconds = max(MIN_SECONDS, _slowest(h, seconds))
+        # A first generation that ended past the budget leaves nothing, never less: the plan
+        # then holds the generations done, and the loop stops on its own budget check.
+        remaining = max(0.0, p.budget - h.elapsed - p.seconds.get("held-out", 0.0))
         left = min(TARGET_GENERATIONS, generations) - done
         prompts = resized_prompts(p.prompts, seconds, remaining, left, most, batch)
         if prompts == p.prompts:
@@ -209,6 +222,9 @@ class Budget:
 
         assert self.plan is not None
         h.reporter.planned.update(self.plan.seconds)
+        # The probe's row goes with the plan: a resumed run prices the search at it too.
+        costs = {**self.plan.costs, "probe_row": round(self.probe_row, 4)}
+        self.plan = dataclasses.replace(self.plan, costs=costs)
         if h.is_root:
             atomic_write_json(h.run_dir / PLAN_NAME, self.plan.as_dict())
 

@@ -64,6 +64,7 @@ SFT_CHECK_ITEMS = 32  # training examples whose loss checks SFT (never held-out 
 SFT_CHECKS = 6  # loss checks over sft.steps (every steps // SFT_CHECKS steps)
 SFT_PATIENCE = 2  # checks without improvement before SFT stops
 SFT_BACKWARD_FACTOR = 3.0  # a training step costs about 3 forwards (forward + backward)
+MIN_SECONDS = 1e-6  # a measured time below this (0 on a coarse clock) is priced at this
 # An anchor prompt past the template's shared part: its off-task text (4-8 tokens on SmolLM2's
 # tokenizer, essa.drift.OFFTASK_TEXTS) and the template's closing tokens.
 ANCHOR_TEXT_TOKENS = 10
@@ -237,22 +238,32 @@ def probe_costs(
     :data:`SFT_BACKWARD_FACTOR` forwards of its tokens, at the prefill's rate."""
     import torch
 
+    from essa.backends.evaluator import halving_on_oom
     from essa.backends.generate import caches_prefix, generate_texts
 
     gen = dataclasses.replace(cfg.generation, temperature=0.0)
     rows = [prompts[i % len(prompts)] for i in range(PROBE_ROWS)]
+    micro_batch = cfg.evaluation.micro_batch_size
 
     def timed(max_new_tokens: int) -> float:
-        start = time.perf_counter()
-        generate_texts(
-            model,
-            tokenizer,
-            rows,
-            dataclasses.replace(gen, max_new_tokens=max_new_tokens),
-            micro_batch_size=cfg.evaluation.micro_batch_size,
-            use_prefix_cache=cfg.evaluation.use_prefix_cache,
-        )
-        return time.perf_counter() - start
+        """Seconds of the rows to ``max_new_tokens``; an out-of-memory micro-batch is halved
+        as the evaluator halves it, and only the attempt that held is timed."""
+        nonlocal micro_batch
+
+        def attempt(size: int) -> float:
+            start = time.perf_counter()
+            generate_texts(
+                model,
+                tokenizer,
+                rows,
+                dataclasses.replace(gen, max_new_tokens=max_new_tokens),
+                micro_batch_size=size,
+                use_prefix_cache=cfg.evaluation.use_prefix_cache,
+            )
+            return time.perf_counter() - start
+
+        seconds, micro_batch = halving_on_oom(attempt, micro_batch, "the budget probe")
+        return seconds
 
     with torch.no_grad():
         generate_texts(model, tokenizer, rows[:1], gen, micro_batch_size=1)  # warm-up
@@ -339,8 +350,10 @@ def _sized(
 ) -> Plan:
     from essa.es.start import SCALE_FACTORS, SCALE_PROMPTS
 
-    row = costs.row / world_size  # seconds per row of the whole run (ranks in parallel)
-    train_row = costs.train_row / world_size  # the scaled start's and the generations' rows
+    # Seconds per row of the whole run (ranks in parallel); a row timed at 0 s (a coarse clock)
+    # is priced at the clock's tick, so that the plan divides by a cost, never by zero.
+    row = max(costs.row, MIN_SECONDS) / world_size
+    train_row = max(costs.train_row, MIN_SECONDS) / world_size  # the start's and the search's
     o, d, e = cfg.optimizer, cfg.data, cfg.evaluation
     samples = cfg.generation.samples_per_prompt
     sft_steps = 0 if "SFT" in done or cfg.adapter.path is not None else cfg.sft.steps
