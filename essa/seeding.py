@@ -48,6 +48,7 @@ DOMAINS: dict[str, int] = {
     "reward.noisy": 106,  # the noisy reward's flips (keys: a group's draw key)
     "drift.samples": 107,  # the final report's pass@K samples (keys: none)
     "tools.turn": 108,  # a GRPO rollout's turns after the first (keys: the turn)
+    "es.signal": 109,  # the signal's random half-splits of a generation's prompts (keys: generation)
 }
 
 

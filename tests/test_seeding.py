@@ -41,6 +41,7 @@ ARITY = {
     "reward.noisy": 5,  # an ESSA group's key: the item's without the sample
     "drift.samples": 0,
     "tools.turn": 1,
+    "es.signal": 1,
 }
 
 

@@ -48,6 +48,10 @@ class DataConfig:
     params: dict[str, Any] = field(default_factory=dict)  # reasoning_gym:TASK: the task's config
     sft_size: int = 1000  # training examples reserved for the SFT stage
     test_size: int = 1000  # held-out examples (builtin tasks have a fixed split)
+    # Validation examples, cut after SFT's and before the training pool: the search's checks
+    # and the choice of the exported point read them (docs/signal.md). None: the smaller of 256
+    # and a quarter of what SFT leaves; 0: none (the run exports the search's mean unchecked).
+    val_size: int | None = None
     # Training pool: only the first N examples after the SFT cut (None: all). A small pool is
     # revisited, which the per-prompt histories of data.selection and data.hints need.
     train_size: int | None = None
@@ -89,6 +93,8 @@ def check_data(d: DataConfig) -> None:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
     if d.train_size is not None and d.train_size < 1:
         raise ConfigError(f"data.train_size: must be >= 1 or null, got {d.train_size}")
+    if d.val_size is not None and d.val_size < 0:
+        raise ConfigError(f"data.val_size: must be >= 0 or null, got {d.val_size}")
     _check_informative(d.selection, d.hints)
     if d.system_prompt is not None and d.template not in ("chat", "auto"):
         raise ConfigError(

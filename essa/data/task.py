@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ class Task:
     sft: list[Example]  # the SFT stage's examples (disjoint from train and test)
     train: list[Example]  # ESSA draws its per-generation mini-batches from here
     test: list[Example]  # held-out; never used for any choice made during training
+    # Validation: the checks during the search and the choice of what is exported read it
+    # (essa.es.watch); disjoint from the other three.
+    val: list[Example] = dataclasses.field(default_factory=list)
 
 
 def load_task(cfg: DataConfig, seed: int) -> Task:
@@ -55,13 +59,28 @@ def load_task(cfg: DataConfig, seed: int) -> Task:
     # The SFT/train cut depends on the run seed: one SFT adapter per (task, seed).
     order = seeding.rng(seed, "data.sft_split").permutation(len(pool))
     pool = [pool[i] for i in order]
-    sft, train = pool[: cfg.sft_size], pool[cfg.sft_size :][: cfg.train_size]
+    sft, rest = pool[: cfg.sft_size], pool[cfg.sft_size :]
+    n_val = val_items(cfg.val_size, len(rest))
+    val, train = rest[:n_val], rest[n_val:][: cfg.train_size]
     if not train:
         raise UserError(
             f"data.source {cfg.source}: no training examples left after the "
             f"test ({cfg.test_size}) and SFT ({cfg.sft_size}) splits"
         )
-    return Task(sft=sft, train=train, test=test)
+    return Task(sft=sft, train=train, test=test, val=val)
+
+
+VAL_ITEMS = 256  # the automatic validation split's size at most (a quarter of a small pool)
+
+
+def val_items(val_size: int | None, pool: int) -> int:
+    """The validation split's size: ``data.val_size``, or (None) the smaller of
+    :data:`VAL_ITEMS` and a quarter of what SFT leaves, so a small pool keeps most for training.
+
+    >>> val_items(None, 1300), val_items(None, 100), val_items(50, 1300)
+    (256, 25, 50)
+    """
+    return min(VAL_ITEMS, pool // 4) if val_size is None else min(val_size, pool)
 
 
 def render_prompts(

@@ -16,6 +16,7 @@ from essa import seeding
 from essa.config import DataConfig, GenerationConfig, RewardConfig, RunConfig
 from essa.dist import Comm
 from essa.errors import UserError
+from essa.es.signal import signal_record
 from essa.protocols import (
     Evaluator,
     LogprobEvaluator,
@@ -276,18 +277,24 @@ def shard_fitness(
     local = np.array([fitness_from_rewards(s) for s in graded])
     local[evaluator.nonfinite] = np.nan  # NaN/inf logits: graded text would be garbage
     local[~np.isfinite(local)] = np.nan  # +-inf fitness is a failed evaluation too
-    if informative is not None:  # every rank records the same (N, P) per-prompt rewards
-        values = prompt_values(graded, len(idx), k, evaluator.nonfinite)  # (p, N)
-        gathered = comm.allgather_fitness(values.ravel()).reshape(-1, len(idx))  # (P, N)
+    # Every rank holds the same (P, N) per-prompt rewards: the signal of the ranking
+    # (essa.es.signal) and the informative prompts' histories read them.
+    values = prompt_values(graded, len(idx), k, evaluator.nonfinite)  # (p, N)
+    gathered = comm.allgather_fitness(values.ravel()).reshape(-1, len(idx))  # (P, N)
+    if informative is not None:
         informative.observe(idx, gathered.T)
-    # (P,) float64: with the pool's 8-byte answer keys, the only data crossing ranks
+    # (P,) float64: with the per-prompt rewards and the pool's 8-byte answer keys, the only
+    # data crossing ranks
     reward_fitness = comm.allgather_fitness(local)
+    metrics = {
+        **signal_metrics(reward_fitness, len(prompts)),
+        **signal_record(reward_fitness, gathered, settings.seed, g),
+    }
     if not weight:
-        return reward_fitness, {**pool, **signal_metrics(reward_fitness, len(prompts))}
+        return reward_fitness, {**pool, **metrics}
     assert isinstance(evaluator, ReferenceForcingEvaluator)
     dense = reference_term(evaluator.last_reference_logprobs)  # (p,)
     fitness = comm.allgather_fitness(local + weight * dense)
-    metrics = signal_metrics(reward_fitness, len(prompts))
     name = "reference_logprob" if settings.reference_signal == "likelihood" else "reference_margin"
     metrics[name] = float(np.nanmean(comm.allgather_fitness(dense)))
     return fitness, {**pool, **metrics}

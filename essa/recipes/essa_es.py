@@ -48,6 +48,7 @@ from essa.es.generation import (
     track_best,
 )
 from essa.es.optimizer import tell
+from essa.es.watch import Watch, WatchSettings, searched_start, val_prompts, watch_start
 from essa.harness import Harness, Phase
 from essa.protocols import Evaluator, Optimizer
 from essa.rewards.base import Reward
@@ -114,6 +115,8 @@ def run(
         evaluator.record_logprobs = COMPLETION_LOGPROBS in reward.needs  # type: ignore[attr-defined]
         evaluator.reference_margin = cfg.reward.reference_signal == "margin"  # type: ignore[attr-defined]
         heldout = functools.partial(_heldout, h, evaluator, task.test, test_prompts)
+        val = val_prompts(task, cfg.data, tokenizer)
+        validate = functools.partial(_validate, h, evaluator, task.val, val)
         drift = functools.partial(adapter_report, cfg, h, base, tokenizer, adapter, task.test)
         pass_drift = functools.partial(adapter_pass_figures, cfg, base, tokenizer, adapter)
         search_drift = drift_budget(  # None: optimizer.drift_budget is off
@@ -136,10 +139,11 @@ def run(
         most = min(batch, len(task.train))
         # The planned candidates and prompts per generation; the tie-breaker as checked.
         cfg = _checked_tie_breaker(setup.apply_plan(cfg, budget.adopt(h, state)), h, state)
+        watch = Watch(WatchSettings.of(cfg.run), state.get("watch"))
+        if "watch" not in state:  # a fresh run: the SFT adapter and the start on validation
+            state["watch"] = watch_start(cfg, h, watch, validate, adapter, state, budget.items)
         if opt is None:
-            opt = search_optimizer(
-                cfg.optimizer, cfg.run.seed, adapter, state.get("scale_baseline")
-            )
+            opt = search_optimizer(cfg.optimizer, cfg.run.seed, adapter, searched_start(state))
         rows = cfg.optimizer.population_size * cfg.generation.samples_per_prompt
         references = _tool_references(cfg, task.train)
         informative = informative_prompts(
@@ -149,9 +153,9 @@ def run(
             f"ESSA: D={adapter.dim} singular-value offsets, population "
             f"{cfg.optimizer.population_size}, {cfg.data.batch_size} prompts/generation, "
             f"held-out {h.metric_name} baseline {state['baseline_accuracy']:.3f}"
-            + start_note(cfg.optimizer, state.get("scale_baseline"))
+            + start_note(cfg.optimizer, searched_start(state))
         )
-        for step in h.steps(opt.generation, show=_shown):
+        for step in () if watch.stopped else h.steps(opt.generation, show=_shown):
             g = step.index
             record, population, fitness = _generation(
                 cfg,
@@ -176,17 +180,21 @@ def run(
                 )
                 if resized is not None:
                     cfg, state["plan"] = setup.apply_plan(cfg, resized), resized.as_dict()
-            if h.due(g, cfg.evaluation.every):
-                record["heldout_accuracy"] = heldout(opt.mean, generation=g, items=budget.items)
-                record.update(tool_metrics(evaluator, "heldout_"))
+            watch.signal(record.get("signal"))
+            stop = None
+            if h.due(g, cfg.evaluation.every) and task.val:
+                scores = validate(opt.mean, f"mean after generation {g + 1}", budget.items)
+                record.update(watch.observe(f"mean after generation {g + 1}", g, opt.mean, scores))
+                record.update(tool_metrics(evaluator, "val_"))
                 if h.is_root:  # rank 0 logs the record
                     record.update(pass_drift(opt.mean))
+                stop = watch.stop_after_check(g)
             state["search_seconds"] = state.get("search_seconds", 0.0) + record["seconds"]
             state["elapsed"] = h.elapsed
-            step.finish(record, lambda: checkpoint.save(run_dir, opt, state))
+            step.finish(record, lambda: checkpoint.save(run_dir, opt, state), stop)
         state.update(test_size=len(task.test), model_bytes=base_bytes, elapsed=h.elapsed)
         state["max_new_tokens"] = cfg.generation.new_tokens
-        return _finish(cfg, h, adapter, opt, state, heldout, sft_dir, drift, evaluator)
+        return _finish(cfg, h, adapter, opt, state, heldout, sft_dir, drift, evaluator, watch)
 
 
 def _heldout(
@@ -216,6 +224,28 @@ def _heldout(
     with h.phase(name, part.stop - part.start, unit="rows") as bar:
         texts = heldout_texts(evaluator, vector, prompts[part], bar.advance)
     return h.score_shard(texts, examples, prompts, part, generation, final=final, name=name)
+
+
+def _validate(
+    h: Harness,
+    evaluator: Evaluator,
+    examples: list[Example],
+    prompts: list[str],
+    vector: AdapterVector,
+    name: str,
+    items: int | None = None,
+) -> list[float]:
+    """Per-item validation scores of ``vector`` (the first ``items``), gathered from every
+    rank's shard in item order; they feed the run's choices (essa.es.watch), never the test."""
+    from essa.dist import shard
+    from essa.evaluation import score_heldout
+
+    examples, prompts = examples[:items], prompts[:items]
+    part = shard(len(prompts), h.comm.rank, h.comm.world_size)
+    with h.phase(f"validation ({name})", part.stop - part.start, unit="rows") as bar:
+        texts = heldout_texts(evaluator, vector, prompts[part], bar.advance)
+    mine = score_heldout(h.metric, texts, examples[part], prompts[part])[1] if texts else []
+    return h.comm.allgather_fitness(np.asarray(mine, dtype=np.float64)).tolist()
 
 
 def _generation(
@@ -383,8 +413,10 @@ class _Timed:
 def _shown(record: dict[str, Any]) -> dict[str, Any]:
     """The loop's console fields."""
     shown = {"fitness mean": record["mean_fitness"], "best": record["best_fitness"]}
-    if "heldout_accuracy" in record:
-        shown["held-out"] = record["heldout_accuracy"]
+    if "signal" in record:
+        shown["signal"] = record["signal"]
+    if "val_accuracy" in record:
+        shown["val"] = record["val_accuracy"]
     return shown
 
 
@@ -412,6 +444,7 @@ def _finish(
     sft_dir: str,
     drift: Callable[[AdapterVector], dict[str, Any]],
     evaluator: Evaluator,
+    watch: Watch,
 ) -> dict[str, Any]:
     """Evaluate the selected vector on the held-out split (every rank, sharded); rank 0 alone
     measures its drift (essa/drift.py), exports it and writes the summary (the others return
@@ -421,6 +454,8 @@ def _finish(
     vector = np.asarray(opt.mean)
     if cfg.evaluation.select == "best" and state["best_vector"] is not None:
         vector = np.asarray(state["best_vector"])
+    vector, exported = watch.choice(vector)  # the validated point, or the SFT adapter
+    h.say(f"exported: {exported['point']} ({exported['why']})")
     tool_metrics(evaluator)
     final = heldout(vector, "final held-out", opt.generation, final=True)
     tool_use = tool_metrics(evaluator)  # the final pass's: tool_calls_per_row, ...
@@ -444,6 +479,10 @@ def _finish(
         selected=cfg.evaluation.select,
         scale_baseline=state.get("scale_baseline"),
         scale_baseline_ran="scale_baseline" in state,  # off by default for real models
+        exported=exported,
+        stop_reason=watch.state["stop"],
+        signal_median=_median(watch.state["signals"]),
+        val_size=len(watch.state["reference"] or ()),
         dim=adapter.dim,
         test_size=state["test_size"],
         drift=report,
@@ -457,3 +496,7 @@ def _finish(
             f"prompts): held-out {scale['heldout_accuracy']:.3f}"
         )
     return h.finish(summary)
+
+
+def _median(values: list[float]) -> float | None:
+    return float(np.median(values)) if values else None

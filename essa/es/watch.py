@@ -1,0 +1,279 @@
+"""What an ESSA run reads of its own signal: validation checks, the exported point, the stop.
+
+The run's validation split (essa.data.task.Task.val, disjoint from the test split) scores the
+SFT adapter, the search's start and the distribution mean at every check. From those scores:
+
+* **the exported point** is the best-scoring of the start and the checked means among those
+  that beat the SFT adapter by more than one paired standard error on validation; where none
+  does, the SFT adapter itself. A run never moves off its SFT adapter on a lucky draw.
+* **the stop**: ``run.patience`` checks in a row without a new best validation score end the
+  search, and so does a check without one whose generations had no signal (the median
+  split-half reliability of the last ``run.signal_window`` generations below
+  ``run.min_signal``, essa.es.signal).
+* **the pre-flight**: a start at the floor or the ceiling of the validation score (below
+  :data:`FLOOR` or above :data:`CEILING`), where a dense tie-breaker does not carry the
+  signal, is not searched (``run.on_no_signal: keep_start``); the run says so in one line.
+
+numpy only; every rank holds the same scores (all-gathered), so every rank decides the same,
+and the state is in the checkpoint, so a resumed run decides the same too. docs/signal.md.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from essa.config import Config, DataConfig, RunConfig
+from essa.types import AdapterVector
+
+if TYPE_CHECKING:
+    from essa.adapters.svd import SVDAdapter
+    from essa.data.task import Task
+    from essa.harness import Harness
+
+Validate = Callable[[AdapterVector, str, "int | None"], list[float]]  # (x, name, items) -> scores
+
+FLOOR = 0.03  # a start scoring below this on validation is at the floor ...
+CEILING = 0.97  # ... and above this at the ceiling: the reward has little left to rank
+
+
+def paired_gain(scores: Sequence[float], reference: Sequence[float]) -> tuple[float, float]:
+    """(mean gain, its paired standard error) of per-item ``scores`` over ``reference``.
+
+    >>> paired_gain([1.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0])
+    (0.5, 0.28867513459481287)
+    """
+    d = np.asarray(scores, dtype=np.float64) - np.asarray(reference, dtype=np.float64)
+    if d.size < 2:
+        return (float(d.mean()) if d.size else 0.0), 0.0
+    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    """What the watch reads of the config (section ``run``)."""
+
+    patience: int = 2  # checks without a new best validation score before the run stops; 0: off
+    min_signal: float = 0.1  # a check without a new best stops the run below this signal
+    signal_window: int = 10  # generations whose median signal a check reads
+    on_no_signal: str = "keep_start"  # keep_start | search
+
+    @classmethod
+    def of(cls, run: RunConfig) -> WatchSettings:
+        return cls(run.patience, run.min_signal, run.signal_window, run.on_no_signal)
+
+
+class Watch:
+    """The run's validation record and its decisions; ``state`` is the checkpointed dict."""
+
+    def __init__(self, settings: WatchSettings, state: dict[str, Any] | None = None) -> None:
+        self.settings = settings
+        self.state: dict[str, Any] = state or {
+            "reference": None,  # the SFT adapter's per-item validation scores
+            "points": [],  # every validated point: name, generation, score, gain, se, vector
+            "chosen": None,  # index in points of the exported point (None: the SFT adapter)
+            "best": None,  # the best validation score so far (the SFT adapter's included)
+            "since_best": 0,  # checks since the best score last rose
+            "signals": [],  # the signal of every generation
+            "stop": None,  # why the search stopped early (None: it did not)
+        }
+
+    # ------------------------------------------------------------------ validation scores
+    def observe(
+        self, name: str, generation: int, vector: AdapterVector, scores: Sequence[float]
+    ) -> dict[str, Any]:
+        """Record a validated point; the fields for its metrics record."""
+        s = self.state
+        score = float(np.mean(scores)) if len(scores) else float("nan")
+        if s["reference"] is None:  # the first point is the SFT adapter, the reference
+            s["reference"] = [float(x) for x in scores]
+        gain, se = paired_gain(scores, s["reference"])
+        point = {
+            "name": name,
+            "generation": generation,
+            "score": score,
+            "gain": gain,
+            "se": se,
+            "vector": np.asarray(vector, dtype=np.float64).tolist(),
+        }
+        s["points"].append(point)
+        improved = s["best"] is None or score > s["best"]
+        s["best"] = score if improved else s["best"]
+        s["since_best"] = 0 if improved else s["since_best"] + 1
+        if self._beats_reference(point) and (
+            s["chosen"] is None or score > s["points"][s["chosen"]]["score"]
+        ):
+            s["chosen"] = len(s["points"]) - 1
+        return {"val_accuracy": score, "val_gain": gain, "val_se": se, "val_best": s["best"]}
+
+    @staticmethod
+    def _beats_reference(point: dict[str, Any]) -> bool:
+        return point["gain"] > 0 and point["gain"] > point["se"]
+
+    def start_search(self) -> None:
+        """The points before the search (the SFT adapter, the scaled start) set the best score;
+        patience counts the search's own checks from here."""
+        self.state["since_best"] = 0
+
+    def validated(self, index: int = -1) -> bool:
+        """Whether point ``index`` beats the SFT adapter by more than its paired SE."""
+        return self._beats_reference(self.state["points"][index])
+
+    # ------------------------------------------------------------------ the stop
+    def signal(self, value: float | None) -> None:
+        if value is not None:
+            self.state["signals"].append(float(value))
+
+    def median_signal(self) -> float | None:
+        window = self.state["signals"][-self.settings.signal_window :]
+        return statistics.median(window) if window else None
+
+    def stop_after_check(self, generation: int) -> str | None:
+        """After a check: why the search stops here (recorded), or None."""
+        s, cfg = self.state, self.settings
+        if s["since_best"] == 0:
+            return None
+        median = self.median_signal()
+        reason = None
+        if cfg.patience and s["since_best"] >= cfg.patience:
+            reason = (
+                f"validation has not improved for {s['since_best']} checks "
+                f"(best {s['best']:.3f}, run.patience {cfg.patience})"
+            )
+        elif cfg.min_signal > 0 and median is not None and median < cfg.min_signal:
+            reason = (
+                f"no new best validation score and no signal: the median split-half "
+                f"reliability of the last {len(s['signals'][-cfg.signal_window :])} "
+                f"generations is {median:.2f} (run.min_signal {cfg.min_signal:g})"
+            )
+        if reason is not None:
+            s["stop"] = f"stopping after generation {generation + 1}: {reason}"
+        return s["stop"]
+
+    # ------------------------------------------------------------------ the pre-flight
+    def preflight(self, start: float, dense_informative: bool) -> str | None:
+        """Before the search: the one line saying why it would search blind, or None.
+        ``start``: the search's start's validation score."""
+        if FLOOR <= start <= CEILING:
+            return None
+        if start < FLOOR and dense_informative:
+            return None  # the tie-breaker ranks where the reward cannot
+        where = "the floor" if start < FLOOR else "the ceiling"
+        helps = (
+            "a longer SFT (sft.steps), an easier curriculum (data.params) or sampled "
+            "completions (generation.temperature, generation.samples_per_prompt)"
+            if start < FLOOR
+            else "a harder task: nothing is left to learn"
+        )
+        n = len(self.state["reference"] or ())
+        keep = self.settings.on_no_signal == "keep_start"
+        action = "keeping the start (run.on_no_signal: keep_start)" if keep else "searching anyway"
+        line = (
+            f"no signal: the start scores {start:.3f} on {n} validation items, at {where} "
+            f"(< {FLOOR:g} or > {CEILING:g}), and no tie-breaker carries the ranking; "
+            f"{action}; what would help: {helps}"
+        )
+        if keep:
+            self.state["stop"] = line
+        return line
+
+    @property
+    def stopped(self) -> bool:
+        return self.state["stop"] is not None
+
+    # ------------------------------------------------------------------ the export
+    def choice(self, fallback: AdapterVector) -> tuple[AdapterVector, dict[str, Any]]:
+        """The exported vector and the summary's account of it. Without validation items
+        (data.val_size 0) the run exports ``fallback`` (the search's mean) unchecked."""
+        s = self.state
+        if not s["points"] or not s["reference"]:
+            return np.asarray(fallback), {"point": "search mean", "why": "no validation split"}
+        checked = [{k: v for k, v in p.items() if k != "vector"} for p in s["points"]]
+        if s["chosen"] is None:
+            sft = s["points"][0]
+            why = (
+                f"no point beat the SFT adapter by more than its paired SE on "
+                f"{len(s['reference'])} validation items"
+            )
+            return np.zeros(len(sft["vector"])), {
+                "point": sft["name"], "generation": sft["generation"],
+                "val_accuracy": sft["score"], "why": why, "checked": checked,
+            }  # fmt: skip
+        p = s["points"][s["chosen"]]
+        why = (
+            f"the best validation score ({p['score']:.3f}) among the points that beat the SFT "
+            f"adapter by more than their paired SE (+{p['gain']:.3f}, SE {p['se']:.3f})"
+        )
+        return np.asarray(p["vector"]), {
+            "point": p["name"], "generation": p["generation"], "val_accuracy": p["score"],
+            "val_gain": p["gain"], "val_se": p["se"], "why": why, "checked": checked,
+        }  # fmt: skip
+
+
+# ---------------------------------------------------------------------- the run's start
+def val_prompts(task: Task, data: DataConfig, tokenizer: Any) -> list[str]:
+    """The validation split's prompts in ``data.template``."""
+    from essa.data.task import render_prompts
+
+    return render_prompts(task.val, data.template, tokenizer, data.system_prompt)
+
+
+def searched_start(state: dict[str, Any]) -> dict[str, Any] | None:
+    """The scale baseline the search starts from: None where it did not run, failed, or did
+    not beat the SFT adapter on validation."""
+    scale = state.get("scale_baseline")
+    return None if scale is None or scale.get("validated") is False else scale
+
+
+def dense_informative(cfg: Config, state: dict[str, Any]) -> bool:
+    """Whether the fitness's tie-breaker ranks where the reward cannot: it is on and its check
+    found factors the reward scores higher than the reward alone found (essa.es.start)."""
+    check = (state.get("scale_baseline") or {}).get("reference_check")
+    if not cfg.reward.reference_weight or not check or check.get("factor") is None:
+        return False
+    return bool(check["reward_with"] > check["reward_without"])
+
+
+def watch_start(
+    cfg: Config,
+    h: Harness,
+    watch: Watch,
+    validate: Validate,
+    adapter: SVDAdapter,
+    state: dict[str, Any],
+    items: int | None,
+) -> dict[str, Any]:
+    """A fresh run's start on validation: the SFT adapter, the scaled start (the search starts
+    from it only where it beats the SFT adapter by more than its paired SE) and the pre-flight
+    (essa.es.watch). Returns the watch's state, to checkpoint."""
+    from essa.es.start import scale_vector
+
+    zeros = np.zeros(adapter.dim)
+    scores = validate(zeros, "SFT adapter", items)
+    if not scores:
+        h.say("no validation split (data.val_size 0): the search's mean is exported unchecked")
+        return watch.state
+    watch.observe("SFT adapter", -1, zeros, scores)
+    start = watch.state["points"][0]["score"]
+    scale = searched_start(state) if cfg.optimizer.start == "scale_baseline" else None
+    if scale is not None and scale["factor"] != 1.0:
+        x0, name = scale_vector(adapter, scale["factor"]), f"SFT adapter x{scale['factor']:g}"
+        fields = watch.observe(name, -1, x0, validate(x0, name, items))
+        scale["validated"] = watch.validated()
+        verdict = "there" if scale["validated"] else "at the SFT adapter"
+        h.say(
+            f"scaled start {name}: validation {fields['val_accuracy']:.3f} against the SFT "
+            f"adapter's {start:.3f} ({fields['val_gain']:+.3f}, SE {fields['val_se']:.3f}); "
+            f"the search starts {verdict}"
+        )
+        start = fields["val_accuracy"] if scale["validated"] else start
+    line = watch.preflight(start, dense_informative(cfg, state))
+    if line is not None:
+        h.say(line)
+    watch.start_search()
+    return watch.state

@@ -1,0 +1,230 @@
+"""A run that reads its own signal: the per-generation signal, the validation split, the
+exported point chosen on validation, the early stop and the pre-flight (essa.es.signal,
+essa.es.watch), down to `essa train` on a task at the floor."""
+
+from __future__ import annotations
+
+import doctest
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import essa.es.signal as signal_module
+import essa.es.watch as watch_module
+from essa.config import DataConfig
+from essa.data.task import load_task, val_items
+from essa.es.signal import disagree_share, signal_record, split_half
+from essa.es.watch import CEILING, FLOOR, Watch, WatchSettings, paired_gain
+from tests.cli_runner import essa
+
+
+def test_doctests() -> None:
+    for module in (signal_module, watch_module):
+        assert doctest.testmod(module).failed == 0
+
+
+# ---------------------------------------------------------------------- the signal
+def test_identical_candidates_give_no_signal() -> None:
+    rng = np.random.default_rng(0)
+    row = (rng.random(32) < 0.4).astype(float)
+    values = np.tile(row, (16, 1))  # (P, N): every candidate answers every prompt alike
+    fitness = values.mean(1)
+    record = signal_record(fitness, values, seed=3, g=5)
+    assert record == {"signal": 0.0, "disagree_share": 0.0, "zero_margin": 1.0}
+
+
+def test_a_planted_ranking_gives_a_high_signal() -> None:
+    """Candidate c is right on a share of prompts that grows with c: any half of the batch
+    ranks them as the other half does."""
+    rng = np.random.default_rng(1)
+    skill = np.linspace(0.05, 0.95, 16)[:, None]  # (P, 1)
+    values = (rng.random((16, 64)) < skill).astype(float)  # (P, N)
+    assert split_half(values, 0, 0) > 0.9
+    record = signal_record(values.mean(1), values, 0, 0)
+    assert record["zero_margin"] == 0.0 and record["disagree_share"] > 0.9
+
+
+def test_noise_gives_a_signal_near_zero() -> None:
+    """Candidates alike in skill, each prompt's outcome a coin: the median over many
+    generations is 0 and most generations read below a planted ranking's."""
+    rng = np.random.default_rng(2)
+    null = [split_half((rng.random((16, 32)) < 0.3).astype(float), 0, g) for g in range(100)]
+    assert np.median(null) < 0.05 and np.percentile(null, 75) < 0.3
+    assert all(0.0 <= v <= 1.0 for v in null)
+
+
+def test_the_signal_is_the_same_on_every_call_and_differs_by_generation() -> None:
+    rng = np.random.default_rng(4)
+    values = (rng.random((8, 32)) < np.linspace(0.3, 0.6, 8)[:, None]).astype(float)
+    assert split_half(values, 7, 3) == split_half(values, 7, 3)  # every rank, a resume
+    assert len({split_half(values, 7, g) for g in range(6)}) > 1  # other random halves
+
+
+def test_disagree_share_counts_prompts_where_candidates_differ() -> None:
+    values = np.array([[1.0, 0.0, 1.0, np.nan], [1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 1.0, 0.0]])
+    assert disagree_share(values) == pytest.approx(2 / 4)  # prompts 1 and 2
+
+
+def test_failed_candidates_rank_last_without_breaking_the_signal() -> None:
+    values = np.tile(np.arange(6.0)[:, None], (1, 10))
+    values[0] = np.nan  # a candidate with non-finite logits
+    assert split_half(values, 0, 0) == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------- validation split
+def test_validation_split_is_disjoint_and_sized() -> None:
+    task = load_task(DataConfig(sft_size=100, test_size=200), seed=0)
+    prompts = {name: {e.prompt for e in getattr(task, name)} for name in ("sft", "val", "test")}
+    prompts["train"] = {e.prompt for e in task.train}
+    names = list(prompts)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert not prompts[a] & prompts[b], (a, b)
+    assert len(task.val) == 256
+    assert len(load_task(DataConfig(sft_size=100, val_size=40), seed=0).val) == 40
+    assert load_task(DataConfig(sft_size=100, val_size=0), seed=0).val == []
+    assert val_items(None, 100) == 25  # a small pool keeps most for training
+
+
+# ---------------------------------------------------------------------- the watch
+def _watch(**settings: object) -> Watch:
+    return Watch(WatchSettings(**settings))  # type: ignore[arg-type]
+
+
+def test_paired_gain_matches_its_formula() -> None:
+    a, b = [1.0, 0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0]
+    d = np.subtract(a, b)
+    assert paired_gain(a, b) == pytest.approx((d.mean(), d.std(ddof=1) / np.sqrt(5)))
+
+
+def test_a_lucky_point_within_its_se_is_not_exported() -> None:
+    """Two items better and one worse of 100 is within its paired SE: the SFT adapter is
+    exported."""
+    sft = [0.0, 0.0, 1.0] + [0.0] * 97
+    lucky = [1.0, 1.0, 0.0] + [0.0] * 97
+    w = _watch()
+    w.observe("SFT adapter", -1, np.zeros(3), sft)
+    w.start_search()
+    w.observe("mean after generation 10", 9, np.ones(3), lucky)
+    vector, exported = w.choice(np.full(3, 2.0))
+    assert exported["point"] == "SFT adapter" and np.array_equal(vector, np.zeros(3))
+    assert "paired SE" in exported["why"]
+
+
+def test_the_best_validated_point_is_exported_not_the_last() -> None:
+    sft = [0.0] * 50 + [1.0] * 50
+    w = _watch(patience=0)
+    w.observe("SFT adapter", -1, np.zeros(2), sft)
+    w.start_search()
+    w.observe("g10", 9, np.array([1.0, 0.0]), [1.0] * 80 + [0.0] * 20)  # +0.3
+    w.observe("g20", 19, np.array([2.0, 0.0]), [1.0] * 90 + [0.0] * 10)  # +0.4, the best
+    w.observe("g30", 29, np.array([3.0, 0.0]), [1.0] * 60 + [0.0] * 40)  # +0.1, the last
+    vector, exported = w.choice(np.array([3.0, 0.0]))
+    assert exported["point"] == "g20" and vector.tolist() == [2.0, 0.0]
+    assert exported["val_gain"] == pytest.approx(0.4)
+
+
+def test_patience_stops_after_checks_without_a_new_best() -> None:
+    w = _watch(patience=2, min_signal=0.0)
+    w.observe("SFT adapter", -1, np.zeros(1), [0.0, 1.0, 0.0, 1.0])
+    w.start_search()
+    w.observe("g10", 9, np.zeros(1), [1.0, 1.0, 0.0, 1.0])  # a new best
+    assert w.stop_after_check(9) is None
+    w.observe("g20", 19, np.zeros(1), [1.0, 1.0, 0.0, 0.0])
+    assert w.stop_after_check(19) is None
+    w.observe("g30", 29, np.zeros(1), [1.0, 1.0, 0.0, 1.0])  # equal is not better
+    reason = w.stop_after_check(29)
+    assert reason is not None and "not improved for 2 checks" in reason and w.stopped
+
+
+def test_no_signal_stops_at_the_first_check_without_a_new_best() -> None:
+    w = _watch(patience=5, min_signal=0.1, signal_window=4)
+    w.observe("SFT adapter", -1, np.zeros(1), [0.0, 1.0])
+    w.start_search()
+    for value in (0.0, 0.05, 0.0, 0.02):
+        w.signal(value)
+    w.observe("g4", 3, np.zeros(1), [0.0, 1.0])
+    reason = w.stop_after_check(3)
+    assert reason is not None and "no signal" in reason and "0.01" in reason
+
+
+def test_a_signal_keeps_the_run_going_within_its_patience() -> None:
+    w = _watch(patience=3, min_signal=0.1, signal_window=4)
+    w.observe("SFT adapter", -1, np.zeros(1), [0.0, 1.0])
+    w.start_search()
+    for value in (0.5, 0.6, 0.4, 0.7):
+        w.signal(value)
+    w.observe("g4", 3, np.zeros(1), [0.0, 1.0])
+    assert w.stop_after_check(3) is None
+
+
+@pytest.mark.parametrize(
+    ("score", "dense", "stops"),
+    [(0.0, False, True), (0.0, True, False), (1.0, False, True), (1.0, True, True),
+     (0.5, False, False), (FLOOR, False, False), (CEILING, False, False)],
+)  # fmt: skip
+def test_preflight_keeps_the_start_at_the_floor_and_the_ceiling(
+    score: float, dense: bool, stops: bool
+) -> None:
+    w = _watch()
+    w.observe("SFT adapter", -1, np.zeros(1), [score] * 64)
+    line = w.preflight(score, dense)
+    assert (line is not None) == stops and w.stopped == stops
+    if stops:
+        assert f"{score:.3f} on 64 validation items" in line and "what would help" in line
+
+
+def test_preflight_searches_anyway_when_asked() -> None:
+    w = _watch(on_no_signal="search")
+    w.observe("SFT adapter", -1, np.zeros(1), [0.0] * 8)
+    line = w.preflight(0.0, False)
+    assert line is not None and "searching anyway" in line and not w.stopped
+
+
+def test_the_watch_state_round_trips_through_json() -> None:
+    """The state rides in checkpoint.json: a resumed run decides as the uninterrupted one."""
+    w = _watch()
+    w.observe("SFT adapter", -1, np.zeros(2), [0.0, 1.0, 0.0])
+    w.signal(0.3)
+    w.observe("g10", 9, np.ones(2), [1.0, 1.0, 1.0])
+    again = Watch(WatchSettings(), json.loads(json.dumps(w.state)))
+    assert again.state == w.state
+    assert again.choice(np.zeros(2))[1] == w.choice(np.zeros(2))[1]
+
+
+# ---------------------------------------------------------------------- end to end
+def _floor_task(path: Path) -> Path:
+    """Sums whose 'answers' are unrelated 7-digit numbers: the demo model gets none right."""
+    rng = np.random.default_rng(0)
+    with path.open("w") as f:
+        for _ in range(400):
+            a, b = (int(x) for x in rng.integers(10, 99, 2))
+            answer = int(rng.integers(1_000_000, 9_999_999))
+            f.write(json.dumps({"question": f"{a}+{b}=", "answer": str(answer)}) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_train_at_the_floor_keeps_the_start_and_says_why(tmp_path: Path) -> None:
+    data = _floor_task(tmp_path / "floor.jsonl")
+    run_dir = tmp_path / "run"
+    sets = [
+        "sft.steps=2", "data.sft_size=32", "data.test_size=40", "data.val_size=40",
+        "data.batch_size=8", "optimizer.population_size=4", "run.generations=20",
+        "run.show_progress=false", f"data.source={data}", "reward.name=math_accuracy",
+    ]  # fmt: skip
+    res = essa("train", "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("no signal:")]
+    assert len(lines) == 1, res.stdout[-3000:]
+    assert "0.000 on 40 validation items, at the floor" in lines[0]
+    assert "keeping the start" in lines[0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["generations"] == 0
+    assert summary["exported"]["point"] == "SFT adapter"
+    assert summary["final_accuracy"] == summary["baseline_accuracy"]
+    assert summary["stop_reason"].startswith("no signal:")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["generation"] for r in records] == [-1]  # no generation ran
