@@ -48,7 +48,7 @@ def heldout_accuracy(
                 policy.model, tokenizer, data.test_prompts, greedy,
                 micro_batch_size=micro_batch_size, progress=bar.advance,
             )  # fmt: skip
-    return h.score(texts, data.test, data.test_prompts, step, final=final)
+    return h.score(texts, data.test, data.test_prompts, step, final=final, name=name)
 
 
 def _with_tools(
