@@ -28,6 +28,8 @@ import contextlib
 import functools
 import math
 import os
+import pwd
+import re
 import secrets
 import selectors
 import shutil
@@ -56,6 +58,13 @@ _CHUNK = 65536
 # this launcher, never the caller. argv: cpu_seconds memory_bytes processes file_bytes uid.
 _LAUNCHER = """\
 import os, resource, sys
+if os.getpid() == 1:  # init of the fallback's PID namespace: init ignores signals from inside,
+    child = os.fork()  # so the launcher runs as its child; init reaps orphans, relays the status
+    while child:
+        pid, status = os.wait()
+        if pid == child:
+            status = os.waitstatus_to_exitcode(status)
+            os._exit(128 - status if status < 0 else status)
 cpu, memory, processes, file_bytes, uid = map(int, sys.argv[1:6])
 with open("main.py", "wb") as f:
     f.write(sys.stdin.buffer.read())
@@ -139,7 +148,6 @@ def run_python(
     if isolation == "bwrap" and os.geteuid() == 0:
         uid = _SANDBOX_UIDS[0] + secrets.randbelow(_SANDBOX_UIDS[1] - _SANDBOX_UIDS[0])
     launcher = [
-        sys.executable,
         "-I",
         "-c",
         _LAUNCHER,
@@ -150,10 +158,12 @@ def run_python(
         str(uid),
     ]
     if isolation == "bwrap":
-        return _run([*_bwrap_prefix(limits), *launcher], None, {}, code, limits)
+        layout = python_layout(Interpreter.current())
+        command = [*_bwrap_prefix(limits, layout), layout.executable, *launcher]
+        return _run(command, None, {}, code, limits)
     with tempfile.TemporaryDirectory(prefix="essa-tool-", ignore_cleanup_errors=True) as tmp:
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, **_THREAD_ENV}
-        return _run(launcher, tmp, env, code, limits)
+        return _run([*_unshare_prefix(), sys.executable, *launcher], tmp, env, code, limits)
 
 
 def run_python_batch(
@@ -170,7 +180,7 @@ def run_python_batch(
 # bubblewrap
 
 
-def _bwrap_prefix(limits: PythonToolConfig) -> list[str]:
+def _bwrap_prefix(limits: PythonToolConfig, layout: PythonLayout) -> list[str]:
     """The bwrap command line up to the program: namespaces, environment, filesystem."""
     bwrap = shutil.which("bwrap") or "bwrap"
     command = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
@@ -178,14 +188,14 @@ def _bwrap_prefix(limits: PythonToolConfig) -> list[str]:
         command.append("--unshare-user")
     command += ["--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv"]
     inner_env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
-    for name, value in {**inner_env, **_THREAD_ENV}.items():
+    for name, value in {**inner_env, **_THREAD_ENV, **layout.env}.items():
         command += ["--setenv", name, value]
     command += _system_mounts()
     command += ["--dev", "/dev", "--proc", "/proc", "--perms", "1777"]
     if _bwrap_has_size(bwrap):
         command += ["--size", str(limits.max_file_mb << 20)]
     command += ["--tmpfs", "/tmp"]
-    command += _python_mounts()
+    command += layout.mounts
     # The root and /dev are bwrap's own tmpfs: read-only, so /tmp stays the one writable place.
     command += ["--chdir", "/tmp", "--remount-ro", "/dev", "--remount-ro", "/"]
     return command
@@ -202,27 +212,110 @@ def _system_mounts() -> list[str]:
     return mounts
 
 
-def _python_mounts() -> list[str]:
-    """This interpreter's prefixes read-only (a venv and its base), at their own paths.
+@dataclass(frozen=True)
+class Interpreter:
+    """A Python as it reports itself: ``sys.executable`` (the path it was called by, links
+    unresolved), ``sys.prefix`` (a venv's own folder) and ``sys.base_prefix`` (its
+    installation)."""
 
-    Their parent directories are made 0755: bwrap creates missing ones 0700, which the
-    snippet's uid could not cross.
+    executable: str
+    prefix: str
+    base_prefix: str
+
+    @classmethod
+    def current(cls) -> Interpreter:
+        return cls(sys.executable, sys.prefix, sys.base_prefix)
+
+    @property
+    def is_venv(self) -> bool:
+        return os.path.realpath(self.prefix) != os.path.realpath(self.base_prefix)
+
+
+@dataclass(frozen=True)
+class PythonLayout:
+    """How an interpreter appears in the sandbox: its bwrap mounts, its path there, and the
+    environment it needs there."""
+
+    mounts: list[str]
+    executable: str
+    env: dict[str, str]
+
+
+# A venv is bound here (it holds only links and its site-packages, so it runs from any path):
+# a venv inside a checkout shows nothing of the checkout's path, one under /tmp stays out of
+# the snippet's /tmp. An installation under /tmp moves too; its libpython is found through
+# LD_LIBRARY_PATH (builds such as pyenv's name their lib folder by its absolute path).
+VENV_PATH = "/run/python/venv"
+BASE_PATH = "/run/python/base"
+
+
+def python_layout(
+    interpreter: Interpreter, home: Sequence[str] | None = None, cwd: str | None = None
+) -> PythonLayout:
+    """The mounts that give the sandbox ``interpreter`` and nothing else: its installation's
+    tree read-only (nothing when under /usr, which the sandbox has anyway) and a venv's own
+    folder. Raises :class:`SandboxUnavailable` where that tree would bring the root, a home
+    directory (``home``: $HOME and the user's passwd entry) or the working directory with it.
     """
-    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    prefixes.add(os.path.dirname(os.path.dirname(os.path.abspath(sys.executable))))
-    covered = ["/usr"]
+    home = _home_dirs() if home is None else home
+    cwd = os.getcwd() if cwd is None else cwd
+    base = os.path.abspath(interpreter.base_prefix)
+    real_base = os.path.realpath(base)
+    if not _within(base, "/usr"):  # /usr is in the sandbox anyway
+        for tree in {base, real_base}:
+            _refuse_exposing(tree, home, cwd)
+    moved = _within(base, "/tmp") or _within(real_base, "/tmp")
+    if moved and interpreter.is_venv:
+        raise SandboxUnavailable(
+            f"tools.python: the venv's base Python {real_base} lies under /tmp, which the "
+            "sandbox replaces with its own: make the venv from a Python installed elsewhere"
+        )
+    inside = BASE_PATH if moved else base
+    mounts = [] if _within(base, "/usr") else _bind(real_base, inside)
+    env = {"LD_LIBRARY_PATH": f"{BASE_PATH}/lib"} if moved else {}
+    if interpreter.is_venv:
+        venv = os.path.realpath(interpreter.prefix)
+        _refuse_exposing(venv, home, cwd)
+        name = os.path.basename(interpreter.executable)
+        if not os.path.exists(os.path.join(venv, "bin", name)):
+            name = "python"
+        return PythonLayout([*mounts, *_bind(venv, VENV_PATH)], f"{VENV_PATH}/bin/{name}", env)
+    executable = os.path.realpath(interpreter.executable)
+    if not _within(executable, real_base) and not _within(executable, "/usr"):
+        raise SandboxUnavailable(
+            f"tools.python: the interpreter {executable} lies outside its installation "
+            f"{real_base}: run the sandbox from an installed Python"
+        )
+    if _within(executable, real_base):
+        executable = inside + executable[len(real_base) :]
+    return PythonLayout(mounts, executable, env)
+
+
+def _refuse_exposing(tree: str, home: Sequence[str], cwd: str) -> None:
+    """A Python tree may not be the root, nor hold a home directory or the working directory."""
+    held = [path for path in (*home, cwd) if _within(os.path.realpath(path), tree)]
+    if tree == "/" or held:
+        shown = "the whole filesystem" if tree == "/" else held[0]
+        raise SandboxUnavailable(
+            f"tools.python: binding the Python installation {tree} would show {shown} to the "
+            "snippet: run a Python installed in a folder of its own"
+        )
+
+
+def _home_dirs() -> list[str]:
+    homes = [os.path.expanduser("~")]
+    with contextlib.suppress(KeyError):
+        homes.append(pwd.getpwuid(os.getuid()).pw_dir)
+    return [h for h in homes if h and h != "/"]
+
+
+def _bind(source: str, target: str) -> list[str]:
+    """``source`` read-only at ``target``, whose missing parents are made 0755 (bwrap makes
+    them 0700, which the snippet's uid could not cross)."""
     mounts: list[str] = []
-    made: set[str] = set()
-    for prefix in sorted(os.path.abspath(p) for p in prefixes):
-        if any(_within(prefix, root) for root in covered):
-            continue
-        covered.append(prefix)
-        for parent in _parents(prefix):
-            if parent not in made and not any(_within(parent, root) for root in covered):
-                mounts += ["--perms", "0755", "--dir", parent]
-                made.add(parent)
-        mounts += ["--ro-bind", os.path.realpath(prefix), prefix]
-    return mounts
+    for parent in _parents(target):
+        mounts += ["--perms", "0755", "--dir", parent]
+    return [*mounts, "--ro-bind", source, target]
 
 
 def _parents(path: str) -> list[str]:
@@ -243,6 +336,37 @@ def _bwrap_has_size(bwrap: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# Without bubblewrap
+
+
+def _unshare_prefix() -> list[str]:
+    """The fallback's namespaces, or :class:`SandboxUnavailable` where the kernel lacks them.
+
+    A PID namespace: when its init (the launcher's parent) dies, the kernel kills everything in
+    it, including processes that left the process group (setsid). For a user, also a user
+    namespace (which a PID namespace needs without root): RLIMIT_NPROC then counts only the
+    snippet's processes (per user namespace since Linux 5.14), not the caller's threads. Root
+    keeps its uid, which the kernel exempts from the limit in any namespace.
+    """
+    unshare = shutil.which(
+        "unshare", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/bin"])
+    )
+    if unshare is None:
+        raise SandboxUnavailable(
+            "tools.python: running without bwrap needs unshare (util-linux) to count and kill "
+            "a snippet's processes: install util-linux or bubblewrap"
+        )
+    release = tuple(int(n) for n in re.findall(r"\d+", os.uname().release)[:2])
+    if release < (5, 14):
+        raise SandboxUnavailable(
+            f"tools.python: running without bwrap needs Linux 5.14 or newer (this is "
+            f"{os.uname().release}) to limit a snippet's processes: install bubblewrap"
+        )
+    user = ["--user"] if os.geteuid() != 0 else []
+    return [unshare, *user, "--pid", "--fork", "--kill-child"]
+
+
+# ---------------------------------------------------------------------------------------------
 # Running and reporting
 
 
@@ -257,6 +381,7 @@ def _run(
         cwd=cwd,
         env=env,
         start_new_session=True,  # one process group to kill
+        umask=0o022,  # the launcher writes main.py before it drops to the snippet's uid
     )
     return _finish(process, code.encode(), limits)
 
