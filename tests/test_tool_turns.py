@@ -8,9 +8,12 @@ parenthesised expression (configs/tools_demo.yaml): "(12+30)" runs and "=42 " co
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -64,6 +67,51 @@ def test_echo_shows_the_last_expression_and_leaves_statements() -> None:
     assert with_echo("print(3)") == "print(3)"  # prints itself: shown once
     assert with_echo("x = 1") == "x = 1"
     assert with_echo("def (") == "def ("  # a syntax error stays for the sandbox to report
+
+
+@pytest.mark.parametrize(
+    ("code", "shown"),
+    [
+        ('t = "ü"; len(t)', "1"),  # columns count UTF-8 bytes: "ü" is two
+        ('s = "€ and ü"\ns', "'€ and ü'"),
+        ('x = "\x0c"; y = "é"\r\nlen(x + y)', "2"),  # a form feed is no line break to ast
+    ],
+)
+def test_echo_runs_code_with_non_ascii_text_as_written(code: str, shown: str) -> None:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(with_echo(code), {})
+    assert printed.getvalue() == shown + "\n"
+
+
+def byte_level_tokenizer() -> Any:
+    """A GPT-2-style byte-level BPE (the vocabulary spells a newline "Ċ"), trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=alphabet
+    )
+    backend.train_from_iterator(["```python\nprint(6 * 7)\n```\nThe answer is 42."] * 8, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+
+
+@pytest.mark.parametrize("code_end", ["\n```\n", "\n``` ", "\n```"])
+def test_a_block_end_in_whitespace_stops_a_byte_level_row(code_end: str) -> None:
+    from essa.backends.stops import ToolCallStop
+
+    tokenizer = byte_level_tokenizer()
+    cfg = replace(TORL, code_end=code_end)
+    ids = tokenizer(f"```python\nprint(6 * 7){code_end}The answer", add_special_tokens=False)
+    ids = ids["input_ids"]
+    closes = [block_end(tokenizer.decode(ids[: k + 1]), cfg) is not None for k in range(len(ids))]
+    k = closes.index(True)  # the token that closes the block
+    ended = ToolCallStop(tokenizer, cfg).ended(torch.tensor([ids[: k + 1]]), torch.tensor([True]))
+    assert ended.tolist() == [True]
 
 
 def test_output_block_shows_stdout_or_the_error_line() -> None:

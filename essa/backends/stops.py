@@ -46,12 +46,10 @@ class ToolCallStop:
     def __init__(self, tokenizer: Any, cfg: Any, width: int = 0) -> None:
         import torch
 
-        char = cfg.code_end[-1]
-        fallback = f"<0x{ord(char):02X}>" if ord(char) < 256 else None  # byte-fallback tokens
-        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-        self.closing = torch.tensor(
-            [p is not None and (char in p or p == fallback) for p in pieces], dtype=torch.bool
-        )  # (V,)
+        from essa.tools.turns import closing_tokens
+
+        closing = closing_tokens(tokenizer, cfg.code_end[-1])
+        self.closing = torch.tensor(closing, dtype=torch.bool)  # (V,)
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.width = width  # prompt columns before the turn's first token (``generate``)

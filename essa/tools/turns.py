@@ -19,6 +19,7 @@ Imports no model code and no numeric library, like the sandbox.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -68,6 +69,31 @@ def block_end(text: str, cfg: PythonToolConfig) -> int | None:
     return None if close < 0 else close + len(cfg.code_end)
 
 
+def closing_tokens(tokenizer: Any, char: str) -> list[bool]:
+    """Per token id: may its text hold ``char`` (the last character of ``code_end``)?
+
+    Read from the vocabulary's pieces, which spell whitespace their own way: byte-level BPE
+    (GPT-2, Llama 3, Qwen, SmolLM2) writes a newline ``Ċ`` and a space ``Ġ``, SentencePiece a
+    space ``▁`` and a byte it has no piece for ``<0x0A>``. A false positive costs one decode.
+    """
+    last_byte = char.encode()[-1]
+    spellings = {char, _BYTE_LEVEL[last_byte]} | ({"\u2581"} if char == " " else set())
+    fallback = f"<0x{last_byte:02X}>"
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return [p is not None and (p == fallback or any(c in p for c in spellings)) for p in pieces]
+
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's byte-to-character table: printable bytes stand for themselves, the others
+    (space, newline, ...) for the characters from U+0100 on, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = iter(range(0x100, 0x200))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
 def block_code(text: str, cfg: PythonToolConfig) -> str | None:
     """The code of the first closed block in ``text`` (None when no block closes)."""
     end = block_end(text, cfg)
@@ -97,8 +123,11 @@ def with_echo(code: str) -> str:
     last = tree.body[-1]
     if isinstance(last.value, ast.Call) and getattr(last.value.func, "id", None) == "print":
         return code
-    lines = code.splitlines()
-    head = "\n".join(lines[: last.lineno - 1] + [lines[last.lineno - 1][: last.col_offset]])
+    # ast's lines split at \n, \r\n and \r only (str.splitlines also splits at \f, \x1c,
+    # ...), and its columns count UTF-8 bytes, not characters.
+    lines = re.split(r"(?<=\r\n)|(?<=\n)|(?<=\r)(?!\n)", code)
+    line = lines[last.lineno - 1].encode()[: last.col_offset].decode()
+    head = "".join(lines[: last.lineno - 1]) + line
     expression = ast.get_source_segment(code, last.value) or ""
     prefix = head.rstrip() + "\n" if head.strip() else ""
     return f"{prefix}__value = {expression}\nif __value is not None:\n    print(repr(__value))"
