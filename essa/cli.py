@@ -150,6 +150,9 @@ def train(
         bool, typer.Option("--overwrite", help="Replace an existing run directory")
     ] = False,
     run_dir: Annotated[Path | None, typer.Option(help="Run directory (overrides run.dir)")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Also print the run's summary.json on stdout, last")
+    ] = False,
 ) -> None:
     """Train an adapter with ESSA or the config's algorithm.
 
@@ -212,21 +215,37 @@ def train(
     else:  # pragma: no cover - the schema admits only the algorithms listed above
         raise UserError(f"algorithm: {cfg.algorithm} is not available")
     if comm.rank == 0:
-        typer.echo(json.dumps(summary, indent=2))
-        typer.echo(next_steps(directory, summary))
+        unit = "generations" if cfg.algorithm == "essa" else "steps"
+        typer.echo("\n".join(closing_lines(directory, summary, unit)))
+        if as_json:
+            typer.echo(json.dumps(summary, indent=2))
 
 
-def next_steps(run_dir: Path, summary: dict[str, Any]) -> str:
-    """The last lines of a run: where the adapter is, how to evaluate and export it."""
+def closing_lines(run_dir: Path, summary: dict[str, Any], unit: str) -> list[str]:
+    """The last lines of a run: the held-out score from start to end, the time, what was
+    exported and where, and the commands that come next. The whole summary is summary.json."""
     import shlex
 
     run = shlex.quote(str(run_dir))
-    adapter = summary.get("adapter_dir") or str(run_dir / "adapter")
-    return (
-        f"adapter:  {adapter}\n"
-        f"evaluate: essa eval {run}/config.yaml --adapter {shlex.quote(str(adapter))}\n"
-        f"export:   essa export {run} --merged {run}/merged"
-    )
+    exported = Path(summary.get("adapter_dir") or run_dir / "adapter")
+    point = summary.get("exported", {}).get("point") if summary.get("exported") else None
+    lines = [
+        f"held-out {summary['heldout_metric']} {summary['baseline_accuracy']:.3f} -> "
+        f"{summary['final_accuracy']:.3f} ({summary['improvement']:+.3f}) after "
+        f"{summary['generations']} {unit} in {summary['wall_seconds']:.0f} s",
+        f"summary:  {run_dir / 'summary.json'} (printed by --json)",
+    ]
+    q = shlex.quote(str(exported))
+    if (exported / "adapter_config.json").is_file() or not exported.exists():
+        lines.append(f"adapter:  {exported}" + (f" ({point})" if point else ""))
+        lines.append(f"evaluate: essa eval {run}/config.yaml --adapter {q}")
+        lines.append(f"compare:  essa compare {run} OTHER_RUN_DIR --output {run}/compare")
+        lines.append(f"export:   essa export {run} --merged {run}/merged")
+    else:  # a whole model (ScaleBiO): it loads as the model itself, nothing to merge
+        lines.append(f"model:    {exported}")
+        lines.append(f"evaluate: essa eval {run}/config.yaml --set model.name_or_path={q}")
+        lines.append(f"compare:  essa compare {run} OTHER_RUN_DIR --output {run}/compare")
+    return lines
 
 
 @app.command()
@@ -444,6 +463,11 @@ def _sample_metrics(
             model, tokenizer, ids, gen, cfg.tools.python,
             micro_batch_size=cfg.evaluation.micro_batch_size, seed=cfg.run.seed,
         )  # fmt: skip
+    elif k == 1:  # the held-out path every recipe's held-out score takes (docs/inference.md)
+        from essa.backends.evaluator import heldout_completions
+
+        micro = cfg.evaluation.micro_batch_size
+        texts, _ = heldout_completions(model, tokenizer, rows, gen, micro_batch_size=micro)
     else:
         texts, _ = generate_texts(
             model,

@@ -535,7 +535,9 @@ class Harness:
             self._item_scores(generation, final, scores, name)
         return mean
 
-    def _item_scores(self, generation: int, final: bool, scores: Sequence[float], name: str) -> None:
+    def _item_scores(
+        self, generation: int, final: bool, scores: Sequence[float], name: str
+    ) -> None:
         """heldout_scores.jsonl's one record format, the same for every recipe: the pass's name
         ("held-out baseline", "held-out", "scale baseline held-out", "final held-out"), the
         steps done, whether it is the final pass, the metric and the per-item scores."""
@@ -555,7 +557,8 @@ class Harness:
         rows = sample_rows(generation, questions, texts, answers, scores)
         write_samples(self.samples, rows)
         self.trackers.log_samples(rows, step=generation if final else generation + 1)
-        print_samples(self.reporter.console, rows, self._samples_title(generation, final))
+        if not final:  # the run ends on its short summary; the final samples are in the file
+            print_samples(self.reporter.console, rows, self._samples_title(generation, final))
 
     def score_shard(
         self,
@@ -617,14 +620,10 @@ class Harness:
 
     # ------------------------------------------------------------------ summary
     def finish(self, summary: JSONDict) -> JSONDict:
-        """Write summary.json, log it to the trackers, print the closing line; returns it."""
+        """Write summary.json and log it to the trackers; returns it (the command that ran the
+        recipe prints its closing lines: essa.cli.closing_lines)."""
         atomic_write_json(self.run_dir / "summary.json", summary)
         self.trackers.log_summary(summary)
-        self.say(
-            f"held-out {summary['heldout_metric']} {summary['baseline_accuracy']:.3f} -> "
-            f"{summary['final_accuracy']:.3f} ({summary['improvement']:+.3f}); "
-            f"adapter: {summary['adapter_dir']}"
-        )
         return summary
 
     def summary(

@@ -60,7 +60,8 @@ def test_demo_train_prints_no_warning(tmp_path: Path) -> None:
     res = essa_no_matplotlib("train", "--run-dir", str(run_dir), *sets)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Warning" not in res.stderr and "warn" not in res.stderr.lower(), res.stderr
-    last = res.stdout.strip().splitlines()[-3:]  # where the adapter is, evaluate, export
-    assert last[0] == f"adapter:  {(run_dir / 'adapter').resolve()}"
+    last = res.stdout.strip().splitlines()[-4:]  # where the adapter is, the next commands
+    assert last[0].startswith(f"adapter:  {(run_dir / 'adapter').resolve()}")
     assert last[1].startswith(f"evaluate: essa eval {run_dir}/config.yaml --adapter ")
-    assert last[2] == f"export:   essa export {run_dir} --merged {run_dir}/merged"
+    assert last[2].startswith(f"compare:  essa compare {run_dir} ")
+    assert last[3] == f"export:   essa export {run_dir} --merged {run_dir}/merged"

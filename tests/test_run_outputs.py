@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from essa.harness import HELDOUT_RECORD_KEYS
 from essa.rewards import get_reward
 from tests.conftest import GRPO_SETS
 from tests.test_train_e2e import essa, sets
@@ -134,6 +135,53 @@ def test_run_writes_samples_tracker_and_names_metric(
     assert summary["scale_baseline_ran"] is (recipe is ESSA)  # the demo runs it; GRPO has none
     check_samples_and_metric(run_dir, summary)
     check_tensorboard(run_dir, summary, fitness_key)
+
+
+def after_the_loop(stdout: str, unit: str) -> list[str]:
+    """The lines a piped run prints after its loop's closing line (``generations: 2/2 ...``)."""
+    lines = stdout.splitlines()
+    end = max(i for i, x in enumerate(lines) if x.startswith(f"{unit}: ") and f" {unit} in " in x)
+    return lines[end + 1 :]
+
+
+@pytest.mark.slow
+def test_every_recipe_ends_on_a_short_summary_and_writes_one_record_format(
+    tmp_path: Path,
+) -> None:
+    """Piped, a run ends on a few lines (score from start to end, time, what was exported and
+    the next commands); the summary is summary.json, on stdout only with --json. ESSA and GRPO
+    write heldout_scores.jsonl in one format: the same keys and pass names."""
+    records = {}
+    for name, recipe, unit, flags in [
+        ("essa", ESSA, "generations", []),
+        ("grpo", GRPO, "steps", ["--json"]),
+    ]:
+        run_dir = tmp_path / name
+        shown = sets(*TINY, *recipe, "run.show_progress=true")  # as a first run shows it
+        res = essa("train", "--run-dir", str(run_dir), *flags, *shown)
+        assert res.returncode == 0, res.stderr[-3000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        tail = after_the_loop(res.stdout, unit)
+        if flags:  # --json: the summary, last, after the human lines
+            start = tail.index("{")
+            assert json.loads("\n".join(tail[start:])) == summary
+            tail = tail[:start]
+        assert "{" not in tail and len(tail) <= 15, "\n".join(tail)
+        assert tail[-6].startswith(f"held-out exact_match {summary['baseline_accuracy']:.3f} -> ")
+        assert tail[-6].endswith(f" after 2 {unit} in {summary['wall_seconds']:.0f} s")
+        assert tail[-4].startswith(f"adapter:  {run_dir / 'adapter'}")
+        assert tail[-3] == f"evaluate: essa eval {run_dir}/config.yaml --adapter {run_dir}/adapter"
+        assert tail[-2].startswith(f"compare:  essa compare {run_dir} ")
+        assert tail[-1] == f"export:   essa export {run_dir} --merged {run_dir}/merged"
+        lines = (run_dir / "heldout_scores.jsonl").read_text().splitlines()
+        records[name] = [json.loads(line) for line in lines]
+    keys = {name: {frozenset(r) for r in rs} for name, rs in records.items()}
+    assert keys["essa"] == keys["grpo"] == {frozenset(HELDOUT_RECORD_KEYS)}
+    passes = {name: [r["pass"] for r in rs] for name, rs in records.items()}
+    assert passes["grpo"] == ["held-out baseline", "held-out", "held-out", "final held-out"]
+    # ESSA checks its search on a validation split; its one held-out pass of its own is the
+    # no-search baseline (the SFT adapter scaled).
+    assert passes["essa"] == ["held-out baseline", "scale baseline held-out", "final held-out"]
 
 
 def test_trackers_close_when_the_run_fails(tmp_path: Path) -> None:
