@@ -116,8 +116,28 @@ def _setup_logging() -> None:
     # bitsandbytes warns at import about an optional kernels package even when unused.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     hf_logging.disable_progress_bar()
+    _no_bars_off_a_terminal()
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="peft")
+
+
+def _no_bars_off_a_terminal() -> None:
+    """Turn tqdm's bars off where stderr is not a terminal (a file: Slurm, nohup). They redraw
+    in place with carriage returns, which a file keeps as one endless line; the libraries that
+    draw them outside transformers' switch (the GGUF conversion, hub downloads) are covered
+    too. Our phases print plain lines there instead (essa.harness.Reporter)."""
+    import sys
+
+    if sys.stderr.isatty():
+        return
+    from huggingface_hub.utils import disable_progress_bars
+    from tqdm import std
+
+    disable_progress_bars()
+    if not getattr(std.tqdm, "_essa_off", False):  # once per process
+        # A partial default: a caller's own disable= still wins.
+        std.tqdm.__init__ = functools.partialmethod(std.tqdm.__init__, disable=True)  # type: ignore[method-assign]
+        std.tqdm._essa_off = True  # type: ignore[attr-defined]
 
 
 def _resolve(config: Path | None, overrides: list[str] | None) -> Config:
@@ -281,7 +301,11 @@ def sft(
     (directory / "config.yaml").write_text(dump_config(cfg))
     seed_everything(cfg.run.seed)
     task = load_task(cfg.data, cfg.run.seed)
-    model, tokenizer = load_model(cfg.model)
+    from essa.harness import Reporter
+
+    reporter = Reporter(_console(), show_progress=cfg.run.show_progress)
+    with reporter.phase("model load"):  # off a terminal: a line while a large model loads
+        model, tokenizer = load_model(cfg.model)
     if cfg.sft.trainable != "lora":
         from essa.gradient.lisa import train_base_model
 
@@ -291,9 +315,6 @@ def sft(
         typer.echo(f"SFT ({cfg.sft.trainable}): loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         typer.echo(f"SFT model: {model_dir}")
         return
-    from essa.harness import Reporter
-
-    reporter = Reporter(_console(), show_progress=cfg.run.show_progress)
     _, adapter_dir = load_or_train_adapter(cfg, model, tokenizer, task, directory, reporter)
     typer.echo(f"SFT adapter: {adapter_dir}")
 

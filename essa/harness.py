@@ -121,6 +121,10 @@ def _duration(seconds: float) -> str:
 # (0: a line at every event of a phase, which is what the tests use).
 PROGRESS_SECONDS = 30.0
 PROGRESS_ENV = "ESSA_PROGRESS_SECONDS"
+# A phase's first plain line comes this soon (at most the interval): a log then shows the model
+# load, the tokenising or SFT's slow first step under way within seconds, and no stretch
+# between two phases' lines (the gap, then the next phase's first line) reaches the interval.
+FIRST_LINE_SECONDS = 10.0
 BEAT_FLOOR_SECONDS = 0.5  # the heartbeat thread never wakes more often than this
 
 
@@ -246,6 +250,7 @@ class Reporter:
         show_progress: bool = True,
         log: MetricsLog | None = None,
         interval: float | None = None,
+        first: float = FIRST_LINE_SECONDS,
     ) -> None:
         self.console = console
         self.show = show_progress and console is not None
@@ -254,6 +259,7 @@ class Reporter:
         self.plain = self.show and not self.live
         self.log = log
         self.interval = progress_interval() if interval is None else interval
+        self.first = min(first, self.interval)  # seconds to a phase's first plain line
         self.bar: Any = None  # one rich Progress for all open phases (rich allows one live view)
         self._open_phases = 0
         # A budgeted run's plan (essa.es.plan): phase name -> planned seconds, and the seconds
@@ -287,6 +293,7 @@ class Reporter:
 
     def _open(self, phase: Phase) -> Any:
         with self._lock:
+            phase.last_line -= self.interval - self.first  # its first line is due sooner
             self._phases.append(phase)
         self._start_beat()
         self._tick(phase)  # due at once only with interval 0

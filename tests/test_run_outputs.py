@@ -184,6 +184,44 @@ def test_every_recipe_ends_on_a_short_summary_and_writes_one_record_format(
     assert passes["essa"] == ["held-out baseline", "scale baseline held-out", "final held-out"]
 
 
+def test_a_phase_prints_its_first_plain_line_soon() -> None:
+    """Off a terminal a phase's first progress line comes after ``first`` seconds, not a whole
+    interval: a log never goes 30 s without a line while a model loads or SFT starts."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from essa.harness import FIRST_LINE_SECONDS, Reporter
+
+    assert Reporter(None, interval=30).first == FIRST_LINE_SECONDS <= 10
+    out = io.StringIO()
+    reporter = Reporter(Console(file=out, width=200), interval=30, first=0.05)
+    with reporter.phase("model load"):
+        deadline = time.monotonic() + 20
+        while "model load: " not in out.getvalue():  # the line is the event waited for
+            assert time.monotonic() < deadline, "no first line within 20 s of a 30-s interval"
+            time.sleep(0.01)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("model load: ") and lines[0].endswith(" s so far")
+    assert lines[1].startswith("model load: in ") and len(lines) == 2  # then the interval
+
+
+def test_library_bars_are_off_where_stderr_is_a_file() -> None:
+    """tqdm bars (transformers' GGUF conversion draws one outside its own switch) redraw with
+    carriage returns: in a log file they would be one long line, so the CLI turns them off."""
+    import subprocess
+    import sys
+
+    code = (
+        "from essa.cli import _setup_logging; _setup_logging(); from tqdm.auto import tqdm; "
+        "list(tqdm(range(50), desc='Converting and de-quantizing GGUF tensors...'))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "\r" not in res.stderr and "GGUF" not in res.stderr, res.stderr
+
+
 def test_trackers_close_when_the_run_fails(tmp_path: Path) -> None:
     """``with harness:`` flushes the event file even when the run raises (SummaryWriter would
     otherwise hold the record for up to two minutes)."""
