@@ -30,8 +30,10 @@ import threading
 from collections.abc import Sequence
 
 from essa.rewards.base import RewardStats, ScoreFn
-from essa.rewards.extract import extract_answer, normalize_gold
+from essa.rewards.extract import final_statement, normalize_answer, normalize_gold
 from essa.rewards.grading import Grade, fast_grade, grade_strings
+from essa.rewards.hedge import is_hedged, names_one_value
+from essa.rewards.numeric import canonical_number
 from essa.rewards.verify_worker import VerifyWorkers
 
 # Per item at most two parses and a few candidate comparisons, each bounded by the timeout.
@@ -94,8 +96,12 @@ class MathVerifier:
             if not gold:
                 grades[i] = Grade(None, "bad_gold")
                 continue
+            statement = final_statement(completion, use_last_number=self.use_last_number)
+            if statement is not None and is_hedged(statement) and names_one_value(gold):
+                grades[i] = Grade(False, "hedged")
+                continue
             golds.append(gold)
-            preds.append(extract_answer(completion, use_last_number=self.use_last_number))
+            preds.append(None if statement is None else normalize_answer(statement.answer))
             where.append(i)
         for i, grade in zip(where, self.compare(golds, preds), strict=True):
             grades[i] = grade
@@ -108,6 +114,9 @@ class MathVerifier:
         grades: list[Grade | None] = [None] * len(golds)
         pending: dict[tuple[str, str | None], list[int]] = {}
         for i, (gold, pred) in enumerate(zip(golds, preds, strict=True)):
+            # "5 million", "3 1/2", "1e3" as plain numbers, which both graders read.
+            gold = canonical_number(gold)
+            pred = None if pred is None else canonical_number(pred)
             grade = fast_grade(gold, pred) if self.use_fast_path else None
             if grade is None:
                 grade = self._cache.get((gold, pred))

@@ -20,6 +20,9 @@ holds no number points at nothing, and the next step decides.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+
+from essa.rewards.numeric import VALUE, VALUE_TOKEN
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _GSM8K_MARKER = re.compile(r"####[ \t]*([^\n]*)")
@@ -37,13 +40,10 @@ _EMPHASIS = re.compile(
     r"(?<![\w\\*_`])(\*{1,3}|_{1,3}|`)(?=\S)(.{1,300}?)(?<=[^\s\\])\1(?![\w*_`({\[])"
 )
 _EMPHASIS_DEPTH = 3  # "**_`42`_**" at most
-# Fractions "a/b" and thousands-grouped integers first ("1,234" is one number), then decimals.
-_NUMBER = re.compile(r"-?\d+/\d+(?![\d/]|[.,]\d)|-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
-# The number an answer starts with: currency sign dropped, "a/b" and a percent sign kept.
-_LEADING_NUMBER = re.compile(
-    r"(?:\\?\$|[\u20ac\u00a3\u00a5])?[ \t]*"
-    r"(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+)(\\?%)?"
-)
+# The number an answer starts with (a value token: "3/4", "3 1/2", "5 million", "1e3", "50%"),
+# its currency sign dropped.
+_LEADING_NUMBER = re.compile(rf"(?:\\?\$|[\u20ac\u00a3\u00a5])?[ \t]*(?P<token>{VALUE})")
+_PERCENT = re.compile(r"\s*\\?%$")
 # What ends the answer after its number: a clause (not a list: "2, 3 and 5"), a parenthesis,
 # an em dash, a degree or currency sign, or the end.
 _AFTER_NUMBER = re.compile(
@@ -58,6 +58,8 @@ _PROSE = re.compile(r"[A-Za-z]{2,},?\s")
 _MATH_SPAN = re.compile(r"(\$\$?|\\\(|\\\[)(.+?)(\$\$?|\\\)|\\\])")
 _THOUSANDS = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _SENTENCE_END = re.compile(r"\.(?:\s|$)")
+# Where a sentence ends around the last number: a full stop, "!" or "?" before a space, a line end.
+_BOUNDARY = re.compile(r"[.!?](?=\s)|\n")
 # "12 dollars" -> "12": a number followed only by plain words (units); math-verify knows few
 # unit words and would read "dollars" as a product of symbols.
 _NUMBER_THEN_WORDS = re.compile(r"^(-?\d[\d,]*(?:\.\d+)?)\s+([A-Za-z]{3,}(?:\s+[A-Za-z]{3,})*)$")
@@ -77,18 +79,32 @@ def _braced_content(text: str, open_index: int) -> str | None:
     return None
 
 
-def _boxed_at(text: str, start: int, command: str) -> str | None:
-    """Content of the box command starting at ``start``: ``\\boxed{...}`` or ``\\boxed x``."""
+def _boxed_at(text: str, start: int, command: str) -> tuple[str, int] | None:
+    """Content and end of the box command starting at ``start``: ``\\boxed{...}`` or
+    ``\\boxed x``; None if it is unbalanced or another command."""
     j = start + len(command)
     if j < len(text) and text[j].isalpha():  # e.g. "\boxedx" is another command
         return None
     while j < len(text) and text[j] == " ":
         j += 1
     if j < len(text) and text[j] == "{":
-        return _braced_content(text, j)
+        content = _braced_content(text, j)
+        return None if content is None else (content, j + len(content) + 2)
     if j > start + len(command):  # "\boxed 5$": up to the closing dollar or end of line
         match = re.match(r"[^$\n]+", text[j:])
-        return match.group(0).strip() if match else None
+        return (match.group(0).strip(), j + match.end()) if match else None
+    return None
+
+
+def _last_box(text: str) -> tuple[int, int, str] | None:
+    """``(start, end, content)`` of the last balanced box (see :func:`last_boxed`)."""
+    for command in _BOX_COMMANDS:
+        end = len(text)
+        while (start := text.rfind(command, 0, end)) >= 0:
+            found = _boxed_at(text, start, command)
+            if found is not None:
+                return start, found[1], found[0]
+            end = start
     return None
 
 
@@ -102,14 +118,24 @@ def last_boxed(text: str) -> str | None:
     >>> last_boxed("no box") is None
     True
     """
-    for command in _BOX_COMMANDS:
-        end = len(text)
-        while (start := text.rfind(command, 0, end)) >= 0:
-            content = _boxed_at(text, start, command)
-            if content is not None:
-                return content
-            end = start
-    return None
+    box = _last_box(text)
+    return None if box is None else box[2]
+
+
+def boxes(text: str) -> list[tuple[int, int, str]]:
+    """``(start, end, content)`` of every balanced, outermost ``\\boxed``/``\\fbox``, in order.
+
+    >>> [box[2] for box in boxes(r"\\boxed{2} or \\fbox{\\boxed{3}}, \\boxed{4")]
+    ['2', '\\\\boxed{3}']
+    """
+    found: list[tuple[int, int, str]] = []
+    for match in re.finditer(r"\\(?:boxed|fbox)", text):
+        if found and match.start() < found[-1][1]:
+            continue  # inside the previous box
+        box = _boxed_at(text, match.start(), match.group(0))
+        if box is not None:
+            found.append((match.start(), box[1], box[0]))
+    return found
 
 
 def strip_markup(text: str, *, whole: bool = False) -> str:
@@ -135,13 +161,18 @@ def strip_markup(text: str, *, whole: bool = False) -> str:
     return text
 
 
-def _sentence(rest: str) -> str:
-    """The first sentence of the first line of ``rest``, trailing punctuation dropped."""
+def _sentence_span(rest: str) -> tuple[str, int]:
+    """The first sentence of the first line of ``rest``, trailing punctuation dropped, and
+    where it ends in ``rest``."""
     line = rest.split("\n", 1)[0]
     end = _SENTENCE_END.search(line)
-    if end is not None:
-        line = line[: end.start()]
-    return line.strip().rstrip(".,;:!").strip()
+    length = end.start() if end is not None else len(line)
+    return line[:length].strip().rstrip(".,;:!").strip(), length
+
+
+def _sentence(rest: str) -> str:
+    """The first sentence of the first line of ``rest``, trailing punctuation dropped."""
+    return _sentence_span(rest)[0]
 
 
 def _leading_number(answer: str) -> str | None:
@@ -151,7 +182,7 @@ def _leading_number(answer: str) -> str | None:
     match = _LEADING_NUMBER.match(answer)
     if match is None:
         return None
-    number = match.group(1) + ("%" if match.group(2) else "")
+    number = _PERCENT.sub("%", match["token"])
     rest = answer[match.end() :]
     if _AFTER_NUMBER.match(rest):
         return number
@@ -193,9 +224,9 @@ def pointed_answer(rest: str, *, use_last_number: bool = True) -> str | None:
         if answer is not None:
             return answer
     if _PROSE.match(sentence):
-        numbers = _NUMBER.findall(sentence)
-        if numbers:
-            return numbers[-1]
+        last = _last_value(sentence)
+        if last is not None:
+            return _PERCENT.sub("%", last.group(0))
         if use_last_number:
             return None
     return sentence.strip("$").strip()  # an unclosed "$x + 1" of a cut-off completion
@@ -225,6 +256,53 @@ def normalize_answer(answer: str) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class FinalStatement:
+    """Where a completion states its final answer (:func:`final_statement`).
+
+    ``kind`` is ``"boxed"``, ``"marker"`` (``####``), ``"phrase"`` ("the answer is") or
+    ``"last"`` (the last-number fallback); ``answer`` the extracted answer before
+    :func:`normalize_answer`; ``text`` the box content, the first sentence after the marker or
+    phrase, or the sentence holding the last number. ``source[start:end]`` is that box or
+    sentence in the text searched: the completion for a box, else the completion without its
+    Markdown emphasis.
+    """
+
+    kind: str
+    answer: str
+    text: str
+    source: str
+    start: int
+    end: int
+
+
+def final_statement(text: str, *, use_last_number: bool = True) -> FinalStatement | None:
+    """The final answer statement of a completion (see the module docstring for the order).
+
+    >>> final_statement("So 3 + 4 = 7.\\nThe answer is 7, or maybe 8. Done.").text
+    '7, or maybe 8'
+    """
+    box = _last_box(text)
+    if box is not None and box[2].strip():
+        return FinalStatement("boxed", box[2], box[2], text, box[0], box[1])
+    plain = strip_markup(text.replace("\u2212", "-").replace("{,}", ","))
+    for kind, offset in (("marker", _marker_offset(plain)), ("phrase", _phrase_offset(plain))):
+        if offset is None:
+            continue
+        answer = pointed_answer(plain[offset:], use_last_number=use_last_number)
+        if answer:
+            sentence, length = _sentence_span(plain[offset:])
+            return FinalStatement(kind, answer, sentence, plain, offset, offset + length)
+    last = _last_value(plain) if use_last_number else None
+    if last is None:
+        return None
+    start = max((m.end() for m in _BOUNDARY.finditer(plain, 0, last.start())), default=0)
+    after = _BOUNDARY.search(plain, last.end())
+    end = after.start() if after else len(plain)
+    answer = _PERCENT.sub("%", last.group(0))
+    return FinalStatement("last", answer, plain[start:end].strip(), plain, start, end)
+
+
 def extract_answer(text: str, *, use_last_number: bool = True) -> str | None:
     """Final answer of a completion (see the module docstring for the order), normalised.
 
@@ -234,39 +312,37 @@ def extract_answer(text: str, *, use_last_number: bool = True) -> str | None:
     '12'
     >>> extract_answer("The answer is 1,000.")
     '1000'
-    >>> extract_answer("46")
-    '46'
+    >>> extract_answer("46"), extract_answer("She ate 3 1/2 pies.")
+    ('46', '3 1/2')
     >>> extract_answer("no digits here") is None
     True
     """
-    boxed = last_boxed(text)
-    if boxed is not None and boxed.strip():
-        return normalize_answer(boxed)
-    plain = strip_markup(text.replace("\u2212", "-").replace("{,}", ","))
-    for rest in (_marker_tail(plain), _phrase_tail(plain)):
-        answer = None if rest is None else pointed_answer(rest, use_last_number=use_last_number)
-        if answer:
-            return normalize_answer(answer)
-    if use_last_number:
-        numbers = _NUMBER.findall(plain)
-        if numbers:
-            return normalize_answer(numbers[-1])
-    return None
+    statement = final_statement(text, use_last_number=use_last_number)
+    return None if statement is None else normalize_answer(statement.answer)
 
 
-def _marker_tail(text: str) -> str | None:
-    """The line after the last GSM8K ``####`` marker, a "Final Answer" heading dropped."""
-    markers = _GSM8K_MARKER.findall(text)
+def _last_value(text: str) -> re.Match[str] | None:
+    """The last value token of ``text`` (a number with its fraction, exponent, scale word)."""
+    last = None
+    for last in VALUE_TOKEN.finditer(text):  # noqa: B007 (the loop finds the last match)
+        pass
+    return last
+
+
+def _marker_offset(text: str) -> int | None:
+    """Where the line after the last GSM8K ``####`` marker starts, a "Final Answer" heading
+    skipped."""
+    markers = list(_GSM8K_MARKER.finditer(text))
     if not markers:
         return None
-    heading = _ANSWER_HEADING.match(markers[-1])
-    return markers[-1][heading.end() :] if heading else markers[-1]
+    heading = _ANSWER_HEADING.match(markers[-1].group(1))
+    return markers[-1].start(1) + (heading.end() if heading else 0)
 
 
-def _phrase_tail(text: str) -> str | None:
-    """The text after the last answer phrase."""
+def _phrase_offset(text: str) -> int | None:
+    """Where the text after the last answer phrase starts."""
     phrases = list(_ANSWER_PHRASE.finditer(text))
-    return text[phrases[-1].end() :] if phrases else None
+    return phrases[-1].end() if phrases else None
 
 
 def normalize_gold(answer: str) -> str:

@@ -15,18 +15,30 @@ _FINE_DECIMAL_DIGITS = 6
 _DECIMAL = re.compile(r"^[+-]?(\d+)?(?:\.(\d*))?$")
 _PLAIN_FRACTION = re.compile(r"^([+-]?\d+)\s*/\s*(\d+)$")
 _LATEX_FRACTION = re.compile(r"^([+-]?)\\[dt]?frac\{\s*([+-]?\d+)\s*\}\{\s*(\d+)\s*\}$")
+# Spaces that carry no meaning: all but those between two digits ("3 1/2" is not 31/2).
+_LOOSE_SPACE = re.compile(r"\s+(?!\d)|(?<!\d)\s+")
 
 
 class Grade(NamedTuple):
     """Verdict on one item. ``correct`` None = not gradable.
 
-    ``status``: ``"ok"``, ``"no_answer"`` (nothing extracted: wrong), ``"no_gold"`` (answer is
-    None), ``"bad_gold"`` (the gold does not parse: None), ``"timeout"`` (wrong) or
+    ``status``: ``"ok"``, ``"no_answer"`` (nothing extracted: wrong), ``"hedged"`` (the final
+    statement names several candidate values, :mod:`essa.rewards.hedge`: wrong), ``"no_gold"``
+    (answer is None), ``"bad_gold"`` (the gold does not parse: None), ``"timeout"`` (wrong) or
     ``"error"`` (a verification worker died: None).
     """
 
     correct: bool | None
     status: str
+
+
+def squeeze(text: str) -> str:
+    """``text`` without its spaces, but for those between two digits.
+
+    >>> squeeze(" 3 / 4 "), squeeze("3 1/2")
+    ('3/4', '3 1/2')
+    """
+    return _LOOSE_SPACE.sub("", text)
 
 
 def parse_plain_number(text: str) -> tuple[Fraction, bool] | None:
@@ -38,7 +50,7 @@ def parse_plain_number(text: str) -> tuple[Fraction, bool] | None:
     >>> parse_plain_number("x") is None
     True
     """
-    text = text.replace(" ", "")
+    text = squeeze(text)
     decimal = _DECIMAL.match(text)
     if decimal is not None and (decimal.group(1) or decimal.group(2)):
         digits = decimal.group(2) or ""
@@ -56,10 +68,10 @@ def parse_plain_number(text: str) -> tuple[Fraction, bool] | None:
 def fast_grade(gold: str, pred: str | None) -> Grade | None:
     """Decide without sympy where that is safe; None = undecided (use math-verify).
 
-    Equal strings up to spaces are correct; plain numbers compare exactly as fractions (see
+    Equal strings up to spaces (not those between digits: "2 3" is not 23) are correct; plain numbers compare exactly as fractions (see
     :mod:`essa.rewards.accuracy`).
     """
-    if pred is not None and gold.replace(" ", "") == pred.replace(" ", ""):
+    if pred is not None and squeeze(gold) == squeeze(pred):
         return Grade(True, "ok")
     gold_number = parse_plain_number(gold)
     if gold_number is None:
