@@ -17,13 +17,21 @@ shrunk, would round every candidate to the same model. W0 x stays in the model's
 sum is rounded to it once per linear. fp32 (and fp64) models run the path in their own dtype,
 bit for bit as before.
 
+One adapter, scored on its own (held-out scores, ``essa eval``), runs in PEFT's factor form
+instead, whoever scores it: ``one_adapter`` puts a FactorLinear, y = W0 x + gamma B (A x) with
+the same precision rule, on each target linear, from an SVD candidate's A', B' (what the export
+writes) or from a PEFT model's own LoRA weights, so that the same adapter gives the same bits.
+
 Deviations from the paper: none in the math (the paper does not describe its inference
 path). gamma is folded into the gathered s̃_B.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 import torch
@@ -89,6 +97,114 @@ class PopulationLinear(nn.Module):
             self.basis_b.T,  # (r, m)
         )
         return out.to(y.dtype).view(y.shape)
+
+
+# Module path in the base model -> (A (r, n), B (m, r), gamma): one adapter in PEFT's form.
+LoRAFactors = Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]
+
+
+class FactorLinear(nn.Module):
+    """Wraps one target linear; adds one adapter's gamma B (A x) onto base(x).
+
+    The LoRA term runs in the path dtype (float32 for half-precision models) and the sum is
+    rounded to the model's dtype once, as in PopulationLinear; gamma is folded into B.
+    """
+
+    def __init__(
+        self,
+        base: nn.Module,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        gamma: float,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        a32, b32 = a.detach().to(device, torch.float32), b.detach().to(device, torch.float32)
+        self.register_buffer("factor_a", a32.to(dtype).contiguous(), persistent=False)  # (r, n)
+        # (r, m): addmm's right operand; gamma * B formed in float32 whatever the path dtype.
+        self.register_buffer("factor_b", (gamma * b32).T.to(dtype), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)  # (B, T, m)
+        z = F.linear(x.to(self.factor_a.dtype), self.factor_a)  # (B, T, r)
+        out = torch.addmm(
+            y.reshape(-1, y.shape[-1]).to(z.dtype), z.reshape(-1, z.shape[-1]), self.factor_b
+        )  # (B*T, m) path dtype
+        return out.to(y.dtype).view(y.shape)
+
+
+@contextmanager
+def one_adapter(model: nn.Module, factors: LoRAFactors) -> Iterator[nn.Module]:
+    """Inside the block each named linear of ``model`` is a FactorLinear of its factors.
+
+    ``model`` is a bare base model, or the base model of a PeftModel: a PEFT LoRA layer is
+    replaced whole (its own LoRA path is not run) and its ``base_layer`` wrapped. The original
+    modules are back after the block.
+    """
+    dtype = path_dtype(_floating_dtype(model))
+    originals: dict[str, nn.Module] = {}
+    try:
+        for name, (a, b, gamma) in factors.items():
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            original = getattr(parent, leaf)
+            inner = original.base_layer if hasattr(original, "lora_A") else original
+            layer = FactorLinear(inner, a, b, gamma, dtype, _module_device(inner))
+            originals[name] = original
+            setattr(parent, leaf, layer)
+        yield model
+    finally:
+        for name, original in originals.items():
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, leaf, original)
+
+
+def peft_factors(
+    model: Any,
+) -> tuple[nn.Module, dict[str, tuple[torch.Tensor, torch.Tensor, float]]]:
+    """(the model to run, its LoRA factors by module path in it): a PeftModel's base model and
+    the active adapter of every LoRA linear. No factors (run the model as it is) for a model
+    without LoRA layers, or when one layer is not a plain LoRA linear (DoRA, a LoRA bias, a
+    merged or disabled adapter, several active adapters, an embedding or convolution)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    for name, module in inner.named_modules():
+        if not isinstance(getattr(module, "lora_A", None), nn.ModuleDict):
+            continue
+        adapter = _plain_lora_adapter(module)
+        if adapter is None:
+            return inner, {}
+        if adapter not in module.lora_A:
+            continue
+        factors[name] = (
+            module.lora_A[adapter].weight.detach(),  # (r, n)
+            module.lora_B[adapter].weight.detach(),  # (m, r)
+            float(module.scaling[adapter]),
+        )
+    return inner, factors
+
+
+def _plain_lora_adapter(module: nn.Module) -> str | None:
+    """The single active adapter of a PEFT LoRA layer that computes W0 x + s B (A x); None
+    when the layer computes anything else."""
+    active = getattr(module, "active_adapters", None) or ["default"]
+    active = [active] if isinstance(active, str) else list(active)
+    if len(active) != 1 or getattr(module, "merged", False):
+        return None
+    if getattr(module, "disable_adapters", False) or getattr(module, "fan_in_fan_out", False):
+        return None
+    name = active[0]
+    if name not in module.lora_A:
+        return name
+    plain = isinstance(module.lora_A[name], nn.Linear) and module.lora_B[name].bias is None
+    return name if plain and not getattr(module, "use_dora", {}).get(name, False) else None
 
 
 class PopulationLoRA:

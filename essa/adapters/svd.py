@@ -13,6 +13,8 @@ Deviations from the paper (ESSA, arXiv 2507.04453):
 - Offsets are not clipped; a negative singular value flips one rank-1 direction.
 - Bases are stored in float32 (the SVD itself runs in float64); the SFT singular values are
   kept in float64 so that stds() and zero offsets are exact.
+- A' is rebuilt as A + U_A diag(x_A) V_Aᵀ (the same matrix as U_A diag(s̃_A) V_Aᵀ), so that a
+  zero offset gives the SFT factors bit for bit: the SFT adapter scores the same as itself.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class FactorSVD:
     gamma: float  # PEFT scaling, lora_alpha / r
     k: int  # searched singular values per factor
     start: int  # first index of this module's slice in the search vector
+    a: torch.Tensor | None = None  # (r, n) float32, the SFT factor A (A' at a zero offset)
+    b: torch.Tensor | None = None  # (m, r) float32, the SFT factor B
 
     @property
     def r(self) -> int:
@@ -231,15 +235,23 @@ class SVDAdapter:
         return values
 
     def factors(self, vector: AdapterVector) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """A' = U_A diag(s̃_A) V_Aᵀ (r, n) and B' = U_B diag(s̃_B) V_Bᵀ (m, r), float32 CPU."""
+        """A' = U_A diag(s̃_A) V_Aᵀ (r, n) and B' = U_B diag(s̃_B) V_Bᵀ (m, r), float32 CPU,
+        formed as the SFT factor plus the offsets' part: exactly the SFT factors at zero."""
         vector = np.asarray(vector, dtype=np.float64)
         if vector.ndim != 1:
             raise ValueError(f"factors() takes one vector (D,), got shape {vector.shape}")
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, (s_a, s_b) in self.singular_values(vector).items():
             module = self._by_name[name]
-            a = (module.u_a * s_a[0].float()) @ module.v_a.T  # (r, n)
-            b = (module.u_b * s_b[0].float()) @ module.v_b.T  # (m, r)
+            if module.a is None or module.b is None:
+                a = (module.u_a * s_a[0].float()) @ module.v_a.T  # (r, n)
+                b = (module.u_b * s_b[0].float()) @ module.v_b.T  # (m, r)
+            else:
+                d_a, d_b = (torch.zeros(module.r) for _ in "ab")  # (r,) offsets, zero past k
+                d_a[: module.k] = torch.from_numpy(vector[module.slice_a]).float()
+                d_b[: module.k] = torch.from_numpy(vector[module.slice_b]).float()
+                a = module.a + (module.u_a * d_a) @ module.v_a.T  # (r, n)
+                b = module.b + (module.u_b * d_b) @ module.v_b.T  # (m, r)
             out[name] = (a, b)
         return out
 
@@ -307,6 +319,8 @@ def _decompose(
         gamma=gamma,
         k=k,
         start=start,
+        a=lora_a.detach().to("cpu", torch.float32).clone(),
+        b=lora_b.detach().to("cpu", torch.float32).clone(),
     )
 
 

@@ -14,6 +14,12 @@ swapping which half gets which strategy, for at most ``MAX_PROBES`` populations.
 (bitsandbytes) and on bfloat16/float16 weights ``auto`` is ``batched`` and ``merged`` is refused:
 W0 is called as is, never modified, and the candidate path runs in float32. Rows are candidate-major: row ``i`` of a P x N evaluation is candidate ``i // N``.
 
+Held-out scores take one path whoever asks (``heldout_completions``): ESSA's held-out pass (a
+greedy call with one candidate), the gradient recipes' and ``essa eval``. The adapter runs in
+PEFT's factor form (``essa.adapters.population.one_adapter``), the rows shortest first in
+micro-batches of ``evaluation.micro_batch_size`` with the shared prefix encoded once, so one
+adapter gets the same completions bit for bit, in bf16 as in fp32 (docs/inference.md).
+
 In both strategies, when the prompts share a token prefix (a system prompt, a chat header), that
 prefix is run once per candidate and its KV cache reused by the candidate's rows
 (``evaluation.use_prefix_cache``; see ``essa.backends.generate.generate_texts``).
@@ -35,8 +41,9 @@ import numpy as np
 import torch
 
 from essa.adapters import PopulationLoRA, SVDAdapter, merged_candidate
-from essa.adapters.population import HALF_DTYPES
-from essa.backends.generate import NonFiniteGuard, generate_texts
+from essa.adapters.population import HALF_DTYPES, LoRAFactors, one_adapter, peft_factors
+from essa.backends.decode import NonFiniteGuard
+from essa.backends.generate import generate_texts
 from essa.backends.stops import ToolCallStop
 from essa.backends.teacher import MarginSink
 from essa.config import EvaluationConfig, GenerationConfig, PythonToolConfig
@@ -66,6 +73,46 @@ def length_order(
     lengths = [len(ids[i]) + (len(refs[i]) if refs is not None else 0) for i in range(n)]
     prompts = sorted(range(n), key=lambda i: lengths[i])
     return torch.tensor([c * n + i for i in prompts for c in range(candidates)], dtype=torch.long)
+
+
+def heldout_completions(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    gen: GenerationConfig,
+    *,
+    micro_batch_size: int,
+    factors: LoRAFactors | None = None,
+    progress: RowProgress | None = None,
+    guard: NonFiniteGuard | None = None,
+) -> tuple[list[str], int]:
+    """(greedy completions, new tokens) of one model on held-out ``prompts``: the one path that
+    every held-out score takes, so that an adapter scores the same wherever it is scored.
+
+    ``model`` is a bare base model with the adapter's ``factors`` (an ESSA candidate's A', B'),
+    or a PeftModel (its LoRA read as factors) or any model as it is (no factors). LoRA runs as
+    ``FactorLinear`` (W0 x + gamma B (A x), the LoRA term in float32 for half models), not as
+    PEFT's layers. Rows run shortest first (``length_order``), ``micro_batch_size`` at a time,
+    with the prompts' shared prefix encoded once (``generate_texts``), in the decode loop where
+    the model allows it. ``guard`` flags non-finite rows, in prompt order.
+    """
+    from dataclasses import replace
+
+    if factors is None:
+        model, factors = peft_factors(model)
+    ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    order = length_order(ids, None, 1).tolist()  # (n,) prompts, shortest first
+    ordered = None if guard is None else NonFiniteGuard(len(order), guard.eos_token_id)
+    with one_adapter(model, factors):
+        texts, tokens = generate_texts(
+            model, tokenizer, [prompts[i] for i in order], replace(gen, temperature=0.0),
+            micro_batch_size=micro_batch_size, use_prefix_cache=True, guard=ordered,
+            progress=progress, token_ids=[ids[i] for i in order],
+        )  # fmt: skip
+    back = torch.argsort(torch.tensor(order)).tolist()  # prompt -> its row
+    if guard is not None and ordered is not None:
+        guard.rows |= ordered.rows[torch.tensor(back, dtype=torch.long)]
+    return [texts[back[i]] for i in range(len(prompts))], tokens
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -201,12 +248,22 @@ class PopulationEvaluator:
         With ``references`` (one per prompt, None for none), ``last_reference_logprobs`` holds
         each reference's teacher-forced token log-probs after its prompt under each candidate,
         computed in the generation's prefill (a few extra tokens per row, no second pass).
-        ``greedy`` decodes greedily whatever ``generation.temperature`` (held-out scoring).
+        ``greedy`` decodes greedily whatever ``generation.temperature`` (held-out scoring); one
+        greedy candidate without references is a held-out score and takes the held-out path
+        (:func:`heldout_completions`), which other recipes and ``essa eval`` share.
         """
         from dataclasses import replace
 
         from essa.backends.sampling import row_seed
 
+        population = np.atleast_2d(population)
+        heldout = samples == 1 and references is None and self.tools is None
+        if greedy and heldout and len(population) == 1:
+            self._flags, self._progress = [], progress
+            try:
+                return self._run("heldout", population, prompts, None)
+            finally:
+                self._progress = None
         if greedy and self.gen.temperature > 0:
             sampling, self.gen = self.gen, replace(self.gen, temperature=0.0)
             try:
@@ -229,9 +286,25 @@ class PopulationEvaluator:
         self._progress = progress
         self.last_logprobs = []
         try:
-            return self._completions(np.atleast_2d(population), expanded, seed)
+            return self._completions(population, expanded, seed)
         finally:
             self._progress = None
+
+    def _heldout(
+        self, vector: np.ndarray, prompts: Sequence[str]
+    ) -> tuple[list[list[str]], int, list[bool]]:
+        """One candidate's held-out completions, on the path ``essa eval`` scores its export."""
+        factors = {
+            name: (a, b, self.adapter.module(name).gamma)
+            for name, (a, b) in self.adapter.factors(vector).items()
+        }
+        guard = self._guard(len(prompts))
+        self.last_logprobs, self.last_reference_logprobs = [], []
+        texts, tokens = heldout_completions(
+            self.model, self.tokenizer, prompts, self.gen, factors=factors,
+            micro_batch_size=self.micro_batch_size, progress=self._progress, guard=guard,
+        )  # fmt: skip
+        return [texts], tokens, [bool(guard.rows.any())]
 
     def reference_logprobs(
         self, population: Population, prompts: Sequence[str], continuations: Sequence[str]
@@ -283,6 +356,8 @@ class PopulationEvaluator:
 
         def attempt(micro_batch_size: int) -> tuple[list[list[str]], int, list[bool]]:
             self.micro_batch_size = micro_batch_size
+            if strategy == "heldout":
+                return self._heldout(population[0], prompts)
             if strategy == "batched":
                 return self._batched(population, prompts, seed)
             return self._merged(population, prompts, seed)

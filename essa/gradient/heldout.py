@@ -34,7 +34,7 @@ def heldout_accuracy(
     into training. With ``tools`` (``max_tool_calls`` > 0) the rows call the Python tool as
     the rollouts do (essa.backends.tool_turns), and their tool use goes to ``tally``.
     """
-    from essa.backends.generate import generate_texts
+    from essa.backends.evaluator import heldout_completions
 
     if not data.test:
         return float("nan")
@@ -44,7 +44,7 @@ def heldout_accuracy(
             texts = _with_tools(policy, tokenizer, data, greedy, micro_batch_size, tools, tally,
                                 bar.advance)  # fmt: skip
         else:
-            texts, _ = generate_texts(
+            texts, _ = heldout_completions(  # the path ESSA's and `essa eval`'s scores take
                 policy.model, tokenizer, data.test_prompts, greedy,
                 micro_batch_size=micro_batch_size, progress=bar.advance,
             )  # fmt: skip
