@@ -339,6 +339,9 @@ def evaluate(
         Path | None,
         typer.Option(help="The SFT adapter --adapter started from: KL(SFT || tuned) in drift"),
     ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the whole result as JSON instead of its summary")
+    ] = False,
 ) -> None:
     """Score a model or adapter on the held-out split.
 
@@ -394,9 +397,25 @@ def evaluate(
     if output is not None:
         result["items"] = str(_write_items(output, items))
     text = json.dumps(result, indent=2)
-    typer.echo(text)
     if output is not None:
         output.write_text(text + "\n")
+    typer.echo(text if as_json else "\n".join(eval_lines(result, output)))
+
+
+def eval_lines(result: dict[str, Any], output: Path | None) -> list[str]:
+    """``essa eval``'s summary: the scores, the drift's headline figures, where the whole
+    result went (the JSON: --json on stdout, --output in a file)."""
+    from essa.drift import summary_line
+
+    scores = ", ".join(f"{k} {v:.3f}" for k, v in result.items() if "@" in k or k == "mean_score")
+    model = result["model"] + (f" + {result['adapter']}" if result["adapter"] else "")
+    lines = [f"held-out {result['metric']} on {result['n']} items ({model}): {scores}"]
+    drift = summary_line(result.get("drift") or {})
+    if drift is not None:
+        lines.append(drift)
+    if output is not None:
+        lines.append(f"result:   {output} (items: {result['items']})")
+    return lines
 
 
 def _drift(
@@ -484,11 +503,6 @@ def _sample_metrics(
             model, tokenizer, ids, gen, cfg.tools.python,
             micro_batch_size=cfg.evaluation.micro_batch_size, seed=cfg.run.seed,
         )  # fmt: skip
-    elif k == 1:  # the held-out path every recipe's held-out score takes (docs/inference.md)
-        from essa.backends.evaluator import heldout_completions
-
-        micro = cfg.evaluation.micro_batch_size
-        texts, _ = heldout_completions(model, tokenizer, rows, gen, micro_batch_size=micro)
     else:
         texts, _ = generate_texts(
             model,

@@ -184,6 +184,26 @@ def test_every_recipe_ends_on_a_short_summary_and_writes_one_record_format(
     assert passes["essa"] == ["held-out baseline", "scale baseline held-out", "final held-out"]
 
 
+@pytest.mark.slow
+def test_eval_prints_a_summary_and_the_json_only_when_asked(tmp_path: Path) -> None:
+    out = tmp_path / "eval.json"
+    res = essa("eval", "--output", str(out), *sets("data.test_size=4"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    lines = res.stdout.splitlines()
+    assert lines[0] == (
+        f"held-out math_accuracy on 4 items (builtin:demo): pass@1 {result['pass@1']:.3f}, "
+        f"mean_score {result['mean_score']:.3f}"
+    )
+    assert lines[-1] == f"result:   {out} (items: {tmp_path / 'eval.items.jsonl'})"
+    assert len(lines) <= 3 and "{" not in res.stdout
+    res = essa("eval", "--json", *sets("data.test_size=4"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert {k: v for k, v in json.loads(res.stdout).items() if k != "items"} == {
+        k: v for k, v in result.items() if k != "items"
+    }
+
+
 def test_a_phase_prints_its_first_plain_line_soon() -> None:
     """Off a terminal a phase's first progress line comes after ``first`` seconds, not a whole
     interval: a log never goes 30 s without a line while a model loads or SFT starts."""

@@ -105,6 +105,7 @@ def test_train_writes_run_dir_and_loadable_adapter(three_generations: tuple[Path
         str(run_dir / "adapter"),
         "--sft-adapter",
         str(run_dir / "sft_adapter"),
+        "--json",
     )
     assert res.returncode == 0, res.stderr[-3000:]
     printed = json.loads(res.stdout)["drift"]
@@ -262,7 +263,9 @@ def test_eval_command(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["n"] == 30
     assert_accuracy_over(30, result["pass@1"])
-    res = essa("eval", *sets("data.test_size=10", "generation.temperature=1.0"), "--samples", "3")
+    res = essa(
+        "eval", *sets("data.test_size=10", "generation.temperature=1.0"), "--samples", "3", "--json"
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     sampled = json.loads(res.stdout)
     assert set(sampled) >= {"avg@3", "pass@1", "pass@3", "maj@3"}
