@@ -11,15 +11,18 @@ site-packages, read-only) under these limits (``tools.python`` in the config, do
 
 Isolation is bubblewrap (``bwrap``): new PID, network, IPC and UTS namespaces (no network
 beyond an empty loopback; the snippet sees only its own processes), a root filesystem that holds
-only /usr, the interpreter's prefixes (read-only), a minimal /dev, /proc and a private,
-size-limited /tmp: the only writable place. Run as root, bwrap needs no user namespace and the
-snippet drops to a uid of its own, so RLIMIT_NPROC counts only its processes (root is exempt
-from it) and it cannot signal anything outside; run as a user, bwrap makes a user namespace.
+only /usr, the Python installation's own tree and a venv's folder (read-only,
+:func:`python_layout`), a minimal /dev, /proc and a private, size-limited /tmp: the only writable
+place. Run as root, bwrap needs no user namespace and the snippet drops to a uid of its own, so
+RLIMIT_NPROC counts only its processes (root is exempt from it) and it cannot signal anything
+outside; run as a user, bwrap makes a user namespace.
 
-Without bwrap, ``allow_unisolated: true`` runs the snippet as a plain subprocess with the same
-time, memory, file-size and output limits but no isolation: it keeps the caller's uid (root is
-exempt from the process limit), reads what that uid can read and reaches the network.
-Otherwise a missing bwrap raises :class:`SandboxUnavailable`.
+Without bwrap, ``allow_unisolated: true`` runs the snippet without isolation but in a PID
+namespace of its own (``unshare``; for a user, in a user namespace too, so that the process
+limit counts the snippet's processes only): the same limits, and the kill at the deadline
+reaches every process it started. It keeps the caller's uid (root is exempt from the process
+limit), reads what that uid can read and reaches the network. Otherwise a missing bwrap raises
+:class:`SandboxUnavailable`.
 """
 
 from __future__ import annotations
