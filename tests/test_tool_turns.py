@@ -84,8 +84,11 @@ def test_echo_runs_code_with_non_ascii_text_as_written(code: str, shown: str) ->
     assert printed.getvalue() == shown + "\n"
 
 
+CORPUS = ["```python\nprint(6 * 7)\n``` The answer is 42.\n```output\n42\n```\n"] * 8
+
+
 def byte_level_tokenizer() -> Any:
-    """A GPT-2-style byte-level BPE (the vocabulary spells a newline "Ċ"), trained here."""
+    """A GPT-2-style byte-level BPE (a newline is "Ċ", a space "Ġ"), trained here."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -96,22 +99,47 @@ def byte_level_tokenizer() -> Any:
     trainer = trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<eos>"], initial_alphabet=alphabet
     )
-    backend.train_from_iterator(["```python\nprint(6 * 7)\n```\nThe answer is 42."] * 8, trainer)
+    backend.train_from_iterator(CORPUS, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
 
 
-@pytest.mark.parametrize("code_end", ["\n```\n", "\n``` ", "\n```"])
-def test_a_block_end_in_whitespace_stops_a_byte_level_row(code_end: str) -> None:
+def sentencepiece_tokenizer() -> Any:
+    """A SentencePiece-style BPE (a space is "▁", joined to the next word), trained here."""
+    from tokenizers import SentencePieceBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    backend = SentencePieceBPETokenizer()
+    backend.train_from_iterator(CORPUS, vocab_size=200, special_tokens=["<eos>"])
+    return PreTrainedTokenizerFast(tokenizer_object=backend._tokenizer, eos_token="<eos>")
+
+
+@pytest.mark.parametrize(
+    ("make", "code_end"),
+    [
+        (byte_level_tokenizer, "\n```\n"),
+        (byte_level_tokenizer, "\n``` "),
+        (byte_level_tokenizer, "\n```"),
+        (sentencepiece_tokenizer, "\n``` "),  # the space is in the next word's piece
+    ],
+)
+def test_a_block_end_in_whitespace_stops_the_row_and_cuts_the_turn(
+    make: Any, code_end: str
+) -> None:
     from essa.backends.stops import ToolCallStop
 
-    tokenizer = byte_level_tokenizer()
+    tokenizer = make()
     cfg = replace(TORL, code_end=code_end)
-    ids = tokenizer(f"```python\nprint(6 * 7){code_end}The answer", add_special_tokens=False)
-    ids = ids["input_ids"]
+    text = f"```python\nprint(6 * 7){code_end}The answer"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     closes = [block_end(tokenizer.decode(ids[: k + 1]), cfg) is not None for k in range(len(ids))]
     k = closes.index(True)  # the token that closes the block
     ended = ToolCallStop(tokenizer, cfg).ended(torch.tensor([ids[: k + 1]]), torch.tensor([True]))
-    assert ended.tolist() == [True]
+    assert ended.tolist() == [True]  # the decode stops the row there
+    generate, _ = scripted(tokenizer, {0: [text, "42"]})
+    prompt = tokenizer("6 * 7", add_special_tokens=False)["input_ids"]
+    out = run_turns([prompt], generate, tokenizer, cfg, lambda codes: [ok("42\n")] * len(codes))
+    assert out[0].ends == ["code", "length"]  # and the turn loop runs the block
+    assert out[0].segments[0][0] == ids[: k + 1]
 
 
 def test_output_block_shows_stdout_or_the_error_line() -> None:

@@ -70,17 +70,26 @@ def block_end(text: str, cfg: PythonToolConfig) -> int | None:
 
 
 def closing_tokens(tokenizer: Any, char: str) -> list[bool]:
-    """Per token id: may its text hold ``char`` (the last character of ``code_end``)?
+    """Per token id: may its text hold ``char`` (the last character of ``code_end``)? See
+    :func:`may_hold`; a false positive costs one decode."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return [may_hold(piece, char) for piece in pieces]
 
-    Read from the vocabulary's pieces, which spell whitespace their own way: byte-level BPE
-    (GPT-2, Llama 3, Qwen, SmolLM2) writes a newline ``Ċ`` and a space ``Ġ``, SentencePiece a
-    space ``▁`` and a byte it has no piece for ``<0x0A>``. A false positive costs one decode.
+
+def may_hold(piece: str | None, char: str) -> bool:
+    """Whether a vocabulary piece may hold ``char`` once decoded. Pieces spell whitespace their
+    own way: byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2) a newline ``Ċ`` and a space ``Ġ``,
+    SentencePiece a space ``▁`` (which decoding a lone piece drops) and a byte it has no piece
+    for ``<0x0A>``.
+
+    >>> may_hold("Ċ", "\\n"), may_hold("▁The", " "), may_hold("<0x0A>", "\\n"), may_hold("ab", " ")
+    (True, True, True, False)
     """
+    if piece is None:
+        return False
     last_byte = char.encode()[-1]
     spellings = {char, _BYTE_LEVEL[last_byte]} | ({"\u2581"} if char == " " else set())
-    fallback = f"<0x{last_byte:02X}>"
-    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return [p is not None and (p == fallback or any(c in p for c in spellings)) for p in pieces]
+    return piece == f"<0x{last_byte:02X}>" or any(c in piece for c in spellings)
 
 
 def _byte_level_alphabet() -> list[str]:
@@ -227,11 +236,17 @@ def _cut_turn(
         if token in stops:
             ids = ids[: k + 1]
             return ids, tokenizer.decode(ids, skip_special_tokens=True), "stop"
-        if may_call and cfg.code_end[-1] in tokenizer.decode([token]):
+        if may_call and _may_close(tokenizer, token, cfg.code_end[-1]):
             text = tokenizer.decode(ids[: k + 1], skip_special_tokens=True)
             if block_end(text, cfg) is not None:
                 return ids[: k + 1], text, "code"
     return ids, tokenizer.decode(ids, skip_special_tokens=True), "length"
+
+
+def _may_close(tokenizer: Any, token: int, char: str) -> bool:
+    return char in tokenizer.decode([token]) or may_hold(
+        tokenizer.convert_ids_to_tokens(token), char
+    )
 
 
 @dataclass
