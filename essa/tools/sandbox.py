@@ -262,20 +262,8 @@ def python_layout(
     """
     home = _home_dirs() if home is None else home
     cwd = os.getcwd() if cwd is None else cwd
-    base = os.path.abspath(interpreter.base_prefix)
-    real_base = os.path.realpath(base)
-    if not _within(base, "/usr"):  # /usr is in the sandbox anyway
-        for tree in {base, real_base}:
-            _refuse_exposing(tree, home, cwd)
-    moved = _within(base, "/tmp") or _within(real_base, "/tmp")
-    if moved and interpreter.is_venv:
-        raise SandboxUnavailable(
-            f"tools.python: the venv's base Python {real_base} lies under /tmp, which the "
-            "sandbox replaces with its own: make the venv from a Python installed elsewhere"
-        )
-    inside = BASE_PATH if moved else base
-    mounts = [] if _within(base, "/usr") else _bind(real_base, inside)
-    env = {"LD_LIBRARY_PATH": f"{BASE_PATH}/lib"} if moved else {}
+    real_base, inside, mounts = _installation(interpreter, home, cwd)
+    env = {"LD_LIBRARY_PATH": f"{BASE_PATH}/lib"} if inside == BASE_PATH else {}
     if interpreter.is_venv:
         venv = os.path.realpath(interpreter.prefix)
         _refuse_exposing(venv, home, cwd)
@@ -283,15 +271,35 @@ def python_layout(
         if not os.path.exists(os.path.join(venv, "bin", name)):
             name = "python"
         return PythonLayout([*mounts, *_bind(venv, VENV_PATH)], f"{VENV_PATH}/bin/{name}", env)
-    executable = os.path.realpath(interpreter.executable)
-    if not _within(executable, real_base) and not _within(executable, "/usr"):
-        raise SandboxUnavailable(
-            f"tools.python: the interpreter {executable} lies outside its installation "
-            f"{real_base}: run the sandbox from an installed Python"
-        )
+    executable = os.path.realpath(interpreter.executable)  # ~/bin/python: where it links to
     if _within(executable, real_base):
-        executable = inside + executable[len(real_base) :]
-    return PythonLayout(mounts, executable, env)
+        return PythonLayout(mounts, inside + executable[len(real_base) :], env)
+    if _within(executable, "/usr"):
+        return PythonLayout(mounts, executable, env)
+    raise SandboxUnavailable(
+        f"tools.python: the interpreter {executable} lies outside its installation "
+        f"{real_base}: run the sandbox from an installed Python"
+    )
+
+
+def _installation(
+    interpreter: Interpreter, home: Sequence[str], cwd: str
+) -> tuple[str, str, list[str]]:
+    """(the installation's real path, its path in the sandbox, the mounts that put it there)."""
+    base = os.path.abspath(interpreter.base_prefix)
+    real_base = os.path.realpath(base)
+    if _within(base, "/usr"):  # in the sandbox anyway
+        return real_base, base, []
+    for tree in {base, real_base}:
+        _refuse_exposing(tree, home, cwd)
+    if not (_within(base, "/tmp") or _within(real_base, "/tmp")):
+        return real_base, base, _bind(real_base, base)
+    if interpreter.is_venv:  # its links and pyvenv.cfg name the installation's own path
+        raise SandboxUnavailable(
+            f"tools.python: the venv's base Python {real_base} lies under /tmp, which the "
+            "sandbox replaces with its own: make the venv from a Python installed elsewhere"
+        )
+    return real_base, BASE_PATH, _bind(real_base, BASE_PATH)
 
 
 def _refuse_exposing(tree: str, home: Sequence[str], cwd: str) -> None:
@@ -359,14 +367,15 @@ def _unshare_prefix() -> list[str]:
             "tools.python: running without bwrap needs unshare (util-linux) to count and kill "
             "a snippet's processes: install util-linux or bubblewrap"
         )
+    if os.geteuid() == 0:
+        return [unshare, "--pid", "--fork", "--kill-child"]
     release = tuple(int(n) for n in re.findall(r"\d+", os.uname().release)[:2])
     if release < (5, 14):
         raise SandboxUnavailable(
-            f"tools.python: running without bwrap needs Linux 5.14 or newer (this is "
-            f"{os.uname().release}) to limit a snippet's processes: install bubblewrap"
+            f"tools.python: running without bwrap as a user needs Linux 5.14 or newer (this "
+            f"is {os.uname().release}) to count a snippet's processes: install bubblewrap"
         )
-    user = ["--user"] if os.geteuid() != 0 else []
-    return [unshare, *user, "--pid", "--fork", "--kill-child"]
+    return [unshare, "--user", "--pid", "--fork", "--kill-child"]
 
 
 # ---------------------------------------------------------------------------------------------
