@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import textwrap
 import time
@@ -342,6 +343,7 @@ REPO = Path(__file__).resolve().parents[1]
 DRIVER = """
 import dataclasses, json, os, sys, threading
 sys.path.insert(0, sys.argv[1])
+sys.path += sys.argv[2:]  # this test's site-packages: essa's own dependencies (PyYAML)
 from essa.config import PythonToolConfig
 from essa.tools.sandbox import run_python
 job = json.load(sys.stdin)
@@ -352,6 +354,9 @@ for _ in range(job["threads"]):
 result = run_python(job["code"], PythonToolConfig(**job["limits"]), job["isolation"])
 print(json.dumps(dataclasses.asdict(result)))
 """
+# What the driver needs on sys.path: the repository, then this test's site-packages (the
+# interpreter under test may be the bare installation, without the venv's packages).
+IMPORTS = [str(REPO), *dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))]
 NOBODY_UID = 61_234  # the non-root user: outside the sandbox's uid range
 
 
@@ -378,7 +383,7 @@ class Caller:
         job = {"code": textwrap.dedent(code), "limits": dataclasses.asdict(limits)}
         job |= {"isolation": isolation, "threads": threads, "umask": umask}
         done = subprocess.run(
-            [*self.prefix, python or self.python, "-c", DRIVER, str(REPO)],
+            [*self.prefix, python or self.python, "-c", DRIVER, *IMPORTS],
             input=json.dumps(job),
             capture_output=True,
             text=True,
@@ -393,7 +398,8 @@ class Caller:
 def _runs_essa(prefix: list[str], python: str) -> bool:
     # Its sandbox layout must resolve: a Python that cannot read its own installation (a
     # pyenv under a /root it may not enter) falls back to another one's standard library.
-    probe = f"import sys; sys.path.insert(0, {str(REPO)!r}); from essa.tools.sandbox import *; "
+    probe = f"import sys; sys.path[:0] = {IMPORTS[:1]!r}; sys.path += {IMPORTS[1:]!r}; "
+    probe += "from essa.tools.sandbox import *; "
     probe += "python_layout(Interpreter.current())"
     done = subprocess.run([*prefix, python, "-c", probe], capture_output=True, cwd="/")
     return done.returncode == 0
