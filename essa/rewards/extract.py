@@ -50,7 +50,7 @@ _AFTER_NUMBER = re.compile(
     r"\s*$|[,;:](?:\s+[^\s\d+-]|\s*$)|\s+\(|\s*[\u2014\u00b0\u20ac\u00a3\u00a5]"
 )
 # The word after the number, and whether the sentence ends or a clause opens right after it.
-_NEXT_WORD = re.compile(r"\s+([A-Za-z]+)\b(\s*$|[,;:(])?")
+_NEXT_WORD = re.compile(r"\s+([A-Za-z]+)(?![A-Za-z])(\s*$|[,;:(]|[\u00b2\u00b3]\s*$)?")
 # Words after a number that belong to the answer ("5 million", "4 times 3 = 12", "2 pi").
 _MATH_WORDS = {"times", "plus", "minus", "over", "divided", "multiplied", "mod", "pi", "sqrt"}
 # Prose after a phrase: a word, then a space ("that she has 5 apples", "approximately 42").
@@ -58,6 +58,9 @@ _PROSE = re.compile(r"[A-Za-z]{2,},?\s")
 _MATH_SPAN = re.compile(r"(\$\$?|\\\(|\\\[)(.+?)(\$\$?|\\\)|\\\])")
 _THOUSANDS = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _SENTENCE_END = re.compile(r"\.(?:\s|$)")
+_QUOTES = "\"'\u201c\u201d\u2018\u2019"
+# "negative 5" is -5 ("minus" is not: "10 minus 5" is arithmetic).
+_NEGATIVE_WORD = re.compile(r"\bnegative\s+(?=\.?\d)", re.IGNORECASE)
 # Where a sentence ends around the last number: a full stop, "!" or "?" before a space, a line end.
 _BOUNDARY = re.compile(r"[.!?](?=\s)|\n")
 # "12 dollars" -> "12": a number followed only by plain words (units); math-verify knows few
@@ -167,7 +170,7 @@ def _sentence_span(rest: str) -> tuple[str, int]:
     line = rest.split("\n", 1)[0]
     end = _SENTENCE_END.search(line)
     length = end.start() if end is not None else len(line)
-    return line[:length].strip().rstrip(".,;:!").strip(), length
+    return line[:length].strip().rstrip(".,;:!?").strip().strip(_QUOTES).strip(), length
 
 
 def _sentence(rest: str) -> str:
@@ -286,6 +289,7 @@ def final_statement(text: str, *, use_last_number: bool = True) -> FinalStatemen
     if box is not None and box[2].strip():
         return FinalStatement("boxed", box[2], box[2], text, box[0], box[1])
     plain = strip_markup(text.replace("\u2212", "-").replace("{,}", ","))
+    plain = _NEGATIVE_WORD.sub("-", plain)
     for kind, offset in (("marker", _marker_offset(plain)), ("phrase", _phrase_offset(plain))):
         if offset is None:
             continue

@@ -24,8 +24,10 @@ value; "50%" also equals 50, as math-verify reads it), other pieces as strings w
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import re
+from dataclasses import dataclass
 from fractions import Fraction
 
 from essa.rewards.extract import FinalStatement, boxes, last_boxed, strip_markup
@@ -41,6 +43,15 @@ class _Several:
 
 
 SEVERAL = _Several()
+
+
+@dataclass(frozen=True)
+class _Box:
+    content: str
+
+
+# A value in a text: its span and what to read its key from (a value token or a box).
+_Item = tuple[int, int, "re.Match[str] | _Box"]
 
 _TEXT_COMMAND = re.compile(
     r"\\(?:text|textbf|textit|mbox|mathrm|textrm|operatorname)\s*\{([^{}]*)\}"
@@ -60,7 +71,7 @@ _JUSTIFICATION = re.compile(
 _SEPARATOR = re.compile(
     r";|,(?!\d{3}(?!\d))|\u2013|(?<=\d)\s*~\s*(?=\d)"
     r"|\b(?:or|and/or|and|to|through|thru|versus|vs|either|between|from|otherwise"
-    r"|alternatively)\b",
+    r"|alternatively|maybe|perhaps|possibly|probably)\b",
     re.IGNORECASE,
 )
 _PLUS_MINUS = re.compile(r"\\pm(?![A-Za-z])|\\mp(?![A-Za-z])|\u00b1")
@@ -72,9 +83,10 @@ _MATH_WORDS = {"times", "plus", "minus", "over", "divided", "multiplied", "mod",
 _NUMBERLESS_VALUE = re.compile(r"\\[A-Za-z]+|\(?[A-Za-z]\)?")
 # Between two values: only spaces and punctuation, or an alternative ("or", "to", "-", ...).
 _ALTERNATIVE_GAP = re.compile(
-    r"[\s,;/.]*(?:\(?\s*(?:or|and/or|and|either|to|through|thru|versus|vs|maybe|perhaps"
+    r"[\s,;/.(]*(?:(?:or|and/or|and|either|to|through|thru|versus|vs|maybe|perhaps"
     r"|possibly|probably|alternatively|otherwise)\b[\s,:(]*)*"
     r"|\s+(?:[A-Za-z]{2,}\s+){1,2}(?:or|to)\s+(?:(?:maybe|perhaps|possibly)\s+)?"
+    r"|[\s,;]*(?:(?:or|and/or|and)\s+)?[A-Za-z](?:_\w+)?\s*=\s*"  # "x = 2 or x = -2"
     r"|\s*[\u2013~]\s*|-",
     re.IGNORECASE,
 )
@@ -178,7 +190,10 @@ def _differ(keys: list[Key | _Several]) -> bool:
     """Some key names several values, or two keys name different ones."""
     if any(isinstance(key, _Several) for key in keys):
         return True
-    return any(not _same(a, b) for a, b in itertools.combinations(keys, 2))  # type: ignore[arg-type]
+    distinct: list[Key] = list(dict.fromkeys(keys))  # type: ignore[arg-type]
+    if any(not _same(distinct[0], key) for key in distinct[1:]):
+        return True  # found early, so that a long list costs linear time
+    return any(not _same(a, b) for a, b in itertools.combinations(distinct, 2))
 
 
 def names_one_value(gold: str) -> bool:
@@ -192,39 +207,43 @@ def names_one_value(gold: str) -> bool:
     return len(keys) <= 1 and not any(isinstance(key, _Several) for key in keys)
 
 
-def _chained(
-    text: str, items: list[tuple[int, int, Key | _Several]], final: int
-) -> list[Key | _Several]:
-    """The keys of the items chained to ``items[final]`` by alternative gaps, both ways."""
-    chain = [items[final][2]]
-    i = final
-    while i > 0 and _is_alternative(text, items[i - 1], items[i]):
-        i -= 1
-        chain.append(items[i][2])
-    i = final
-    while i + 1 < len(items) and _is_alternative(text, items[i], items[i + 1]):
-        i += 1
-        chain.append(items[i][2])
-    return chain
+def _chain_differs(text: str, items: list[_Item], final: int) -> bool:
+    """An item chained to ``items[final]`` by alternative gaps, either way, names another value
+    (the walk stops there, so that a long chain of equal values costs linear time)."""
+    answer = _item_key(items[final][2])
+    for step in (-1, 1):
+        i = final
+        while 0 <= i + step < len(items):
+            left, right = sorted((items[i], items[i + step]), key=lambda item: item[0])
+            if not _is_alternative(text, left, right):
+                break
+            i += step
+            if _differ([answer, _item_key(items[i][2])]):
+                return True
+    return isinstance(answer, _Several)
+
+
+def _item_key(item: re.Match[str] | _Box) -> Key | _Several:
+    """The key of a chain item, read only when the chain reaches it (a long list of numbers
+    would otherwise cost a Fraction each)."""
+    if isinstance(item, _Box):
+        return _box_key(item.content)
+    key = _token_key(item)
+    return key if key is not None else _squeezed(item.group(0))
 
 
 def _is_alternative(
     text: str, left: tuple[int, int, object], right: tuple[int, int, object]
 ) -> bool:
     gap = text[left[1] : right[0]]
-    if not _ALTERNATIVE_GAP.fullmatch(clean(gap)):
+    if not (_ALTERNATIVE_GAP.fullmatch(gap) or _ALTERNATIVE_GAP.fullmatch(clean(gap))):
         return False
     # "rose from 10 to 20" is a change, not a range of answers.
     return not (_TO_GAP.fullmatch(gap) and _FROM_BEFORE.search(text[: left[0]]))
 
 
-def _value_items(text: str, start: int, end: int) -> list[tuple[int, int, Key | _Several]]:
-    items: list[tuple[int, int, Key | _Several]] = []
-    for match in VALUE_TOKEN.finditer(text, start, end):
-        key = _token_key(match)
-        if key is not None:
-            items.append((match.start(), match.end(), key))
-    return items
+def _value_items(text: str, start: int, end: int) -> list[_Item]:
+    return [(match.start(), match.end(), match) for match in VALUE_TOKEN.finditer(text, start, end)]
 
 
 def _box_key(content: str) -> Key | _Several:
@@ -243,16 +262,15 @@ def _boxed_hedge(statement: FinalStatement) -> bool:
     line_end = text.find("\n", statement.end)
     line_end = len(text) if line_end < 0 else line_end
     spans = boxes(text)
-    inside = [(start, end) for start, end, _ in spans]
-    items = [(start, end, _box_key(content)) for start, end, content in spans]
-    items += [
-        item
-        for item in _value_items(text, line_start, line_end)
-        if not any(start <= item[0] < end for start, end in inside)
-    ]
+    starts = [start for start, _, _ in spans]
+    items: list[_Item] = [(start, end, _Box(content)) for start, end, content in spans]
+    for item in _value_items(text, line_start, line_end):
+        box = bisect.bisect_right(starts, item[0]) - 1
+        if box < 0 or item[0] >= spans[box][1]:  # not inside a box
+            items.append(item)
     items.sort(key=lambda item: item[0])
-    final = next((i for i, item in enumerate(items) if item[0] <= statement.start < item[1]), None)
-    return final is not None and _differ(_chained(text, items, final))
+    final = bisect.bisect_right([item[0] for item in items], statement.start) - 1
+    return final >= 0 and _chain_differs(text, items, final)
 
 
 def _last_number_hedge(statement: FinalStatement) -> bool:
@@ -261,12 +279,12 @@ def _last_number_hedge(statement: FinalStatement) -> bool:
     items = _value_items(statement.source, statement.start, statement.end)
     if not items:
         return False
-    if _differ(_chained(statement.source, items, len(items) - 1)):
+    if _chain_differs(statement.source, items, len(items) - 1):
         return True
     if not _HEDGE_OPENING.match(statement.text):
         return False
     earlier = _value_items(statement.source, 0, statement.start)
-    return bool(earlier) and _differ([earlier[-1][2], items[-1][2]])
+    return bool(earlier) and _differ([_item_key(earlier[-1][2]), _item_key(items[-1][2])])
 
 
 def _sentence_hedge(statement: FinalStatement) -> bool:

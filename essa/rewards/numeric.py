@@ -23,8 +23,10 @@ _SCALE_FACTORS = {
     "trillion": 10**12,
     "dozen": 12,
 }
-# Larger exponents are not numbers an answer states, and 10**big would cost time and memory.
+# Larger exponents or longer tokens are not numbers an answer states, and reading them would
+# cost time and memory.
 _MAX_EXPONENT = 100
+_MAX_LENGTH = 200
 _VULGAR = "\u00bc-\u00be\u2150-\u215e"  # ¼ ½ ¾ and ⅐ ... ⅞
 # Integer part: thousands groups ("1,234", not "2,3") or digits; a sign only where it cannot be
 # a binary minus ("10-20" is two tokens, "= -3" one).
@@ -38,7 +40,7 @@ VALUE = (
     r"|(?P<mixed>[ \t]+\d+/\d+(?![\d/]|[.,]\d)"
     r"|[ \t]*\\[dt]?frac[ \t]*(?:\{[ \t]*\d+[ \t]*\}[ \t]*\{[ \t]*\d+[ \t]*\}|\d\d)"
     rf"|[ \t]*[{_VULGAR}]))?"
-    r"(?P<scale>(?:[ \t]+(?i:hundred|thousand|million|billion|trillion|dozen)\b)*)"
+    r"(?P<scale>(?:[ \t]+(?i:hundred|thousand|million|billion|trillion|dozen)\b){0,3})"
     r"(?P<pct>[ \t]*\\?%|[ \t]+(?i:percent)\b)?"
 )
 VALUE_TOKEN = re.compile(VALUE)
@@ -71,6 +73,8 @@ def token_value(match: re.Match[str]) -> tuple[Fraction, bool] | None:
     exponent_text = (match["exp"] or "")[1:] or match["pow"] or match["pow2"]
     exponent = int(exponent_text) if exponent_text else 0
     if abs(exponent) > _MAX_EXPONENT or (match["mixed"] and (decimal or exponent_text)):
+        return None
+    if len(match.group(0)) > _MAX_LENGTH:
         return None
     value = Fraction(match["bare"] or match["int"].replace(",", "") + (match["dec"] or ""))
     value *= Fraction(10) ** exponent
