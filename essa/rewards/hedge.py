@@ -86,7 +86,7 @@ _ALTERNATIVE_GAP = re.compile(
     r"[\s,;/.(]*(?:(?:or|and/or|and|either|to|through|thru|versus|vs|maybe|perhaps"
     r"|possibly|probably|alternatively|otherwise)\b[\s,:(]*)*"
     r"|\s+(?:[A-Za-z]{2,}\s+){1,2}(?:or|to)\s+(?:(?:maybe|perhaps|possibly)\s+)?"
-    r"|[\s,;]*(?:(?:or|and/or|and)\s+)?[A-Za-z](?:_\w+)?\s*=\s*"  # "x = 2 or x = -2"
+    r"|[\s,;]*(?:or|and/or)\s+[A-Za-z](?:_\w+)?\s*=\s*"  # "x = 2 or x = -2", not "and y = 9"
     r"|\s*[\u2013~]\s*|-",
     re.IGNORECASE,
 )
