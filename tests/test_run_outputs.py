@@ -37,10 +37,11 @@ def samples(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
 
 
-def check_samples_and_metric(run_dir: Path, summary: dict) -> None:
-    """Samples at the baseline, after each generation and at the end; scores recomputed."""
+def check_samples_and_metric(run_dir: Path, summary: dict, checked: tuple[int, ...]) -> None:
+    """Samples at the baseline, after each held-out check (``checked``: GRPO's; ESSA checks on
+    validation, whose items are no samples) and at the end; scores recomputed."""
     rows = samples(run_dir)
-    assert [r["generation"] for r in rows] == [g for g in (-1, 0, 1, 2) for _ in range(4)]
+    assert [r["generation"] for r in rows] == [g for g in (-1, *checked, 2) for _ in range(4)]
     assert all(set(r) == SAMPLE_KEYS for r in rows)
     assert all(r["reference"] is not None and r["prompt"] for r in rows)
     exact = get_reward("exact_match")
@@ -97,7 +98,9 @@ def test_heldout_score_follows_evaluation_metric(
     assert [r["reward"] for r in samples(tmp_path)] == [expected, expected]
 
 
-def check_tensorboard(run_dir: Path, summary: dict, fitness_key: str) -> None:
+def check_tensorboard(
+    run_dir: Path, summary: dict, fitness_key: str, checked: tuple[int, ...]
+) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
@@ -107,22 +110,27 @@ def check_tensorboard(run_dir: Path, summary: dict, fitness_key: str) -> None:
     assert logged == [
         (r["generation"] + 1, pytest.approx(r[fitness_key])) for r in metrics[1:]
     ]  # step = generations done; the baseline (no fitness) is step 0
-    assert [e.step for e in events.Scalars("heldout_accuracy")] == [0, 1, 2]
+    steps = [g + 1 for g in checked]
+    assert [e.step for e in events.Scalars("heldout_accuracy")] == [0, *steps]
+    if not checked:  # ESSA: the mean on validation after every generation (evaluation.every 1)
+        assert [e.step for e in events.Scalars("val_accuracy")] == [1, 2]
     assert events.Scalars("summary/final_accuracy")[0].value == pytest.approx(
         summary["final_accuracy"]
     )
     text = {tag: events.Tensors(f"{tag}/text_summary") for tag in ("config", "samples", "summary")}
     assert b"exact_match" in text["summary"][0].tensor_proto.string_val[0]
-    assert len(text["samples"]) == 4  # baseline, two generations, final
+    assert len(text["samples"]) == 2 + len(checked)  # baseline, held-out checks, final
     assert b"report_to" in text["config"][0].tensor_proto.string_val[0]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("recipe", "fitness_key"), [(ESSA, "mean_fitness"), (GRPO, "mean_reward")], ids=["essa", "grpo"]
+    ("recipe", "fitness_key", "checked"),
+    [(ESSA, "mean_fitness", ()), (GRPO, "mean_reward", (0, 1))],
+    ids=["essa", "grpo"],
 )
 def test_run_writes_samples_tracker_and_names_metric(
-    tmp_path: Path, recipe: list[str], fitness_key: str
+    tmp_path: Path, recipe: list[str], fitness_key: str, checked: tuple[int, ...]
 ) -> None:
     run_dir = tmp_path / "run"
     res = essa("train", "--run-dir", str(run_dir), *sets(*TINY, *recipe))
@@ -133,8 +141,8 @@ def test_run_writes_samples_tracker_and_names_metric(
     assert Path(summary["adapter_dir"]).is_absolute()
     assert Path(summary["sft_adapter_dir"]).is_absolute()
     assert summary["scale_baseline_ran"] is (recipe is ESSA)  # the demo runs it; GRPO has none
-    check_samples_and_metric(run_dir, summary)
-    check_tensorboard(run_dir, summary, fitness_key)
+    check_samples_and_metric(run_dir, summary, checked)
+    check_tensorboard(run_dir, summary, fitness_key, checked)
 
 
 def after_the_loop(stdout: str, unit: str) -> list[str]:

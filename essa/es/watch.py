@@ -182,6 +182,14 @@ class Watch:
             self.state["stop"] = line
         return line
 
+    def unchecked(self, generations: int) -> bool:
+        """Whether the search's mean after ``generations`` still needs its validation check:
+        the search ran past its last check (a ceiling or budget between checks)."""
+        s = self.state
+        if not s["reference"] or generations == 0 or s["stop"] is not None:
+            return False
+        return s["points"][-1]["generation"] != generations - 1
+
     @property
     def stopped(self) -> bool:
         return self.state["stop"] is not None

@@ -194,7 +194,10 @@ def run(
             step.finish(record, lambda: checkpoint.save(run_dir, opt, state), stop)
         state.update(test_size=len(task.test), model_bytes=base_bytes, elapsed=h.elapsed)
         state["max_new_tokens"] = cfg.generation.new_tokens
-        return _finish(cfg, h, adapter, opt, state, heldout, sft_dir, drift, evaluator, watch)
+        check = functools.partial(validate, items=budget.items)
+        return _finish(
+            cfg, h, adapter, opt, state, heldout, sft_dir, drift, evaluator, watch, check
+        )
 
 
 def _heldout(
@@ -241,6 +244,8 @@ def _validate(
     from essa.evaluation import score_heldout
 
     examples, prompts = examples[:items], prompts[:items]
+    if not examples:
+        return []
     part = shard(len(prompts), h.comm.rank, h.comm.world_size)
     with h.phase(f"validation ({name})", part.stop - part.start, unit="rows") as bar:
         texts = heldout_texts(evaluator, vector, prompts[part], bar.advance)
@@ -445,6 +450,7 @@ def _finish(
     drift: Callable[[AdapterVector], dict[str, Any]],
     evaluator: Evaluator,
     watch: Watch,
+    validate: Callable[[AdapterVector, str], list[float]],
 ) -> dict[str, Any]:
     """Evaluate the selected vector on the held-out split (every rank, sharded); rank 0 alone
     measures its drift (essa/drift.py), exports it and writes the summary (the others return
@@ -454,6 +460,10 @@ def _finish(
     vector = np.asarray(opt.mean)
     if cfg.evaluation.select == "best" and state["best_vector"] is not None:
         vector = np.asarray(state["best_vector"])
+    if watch.unchecked(opt.generation):  # the search's last mean, past its last check
+        name = f"mean after generation {opt.generation}"
+        scores = validate(opt.mean, name)
+        watch.observe(name, opt.generation - 1, opt.mean, scores)
     vector, exported = watch.choice(vector)  # the validated point, or the SFT adapter
     h.say(f"exported: {exported['point']} ({exported['why']})")
     tool_metrics(evaluator)
