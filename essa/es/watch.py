@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from essa.config import Config, DataConfig, RunConfig
+from essa.config import DataConfig, OptimizerConfig, RewardConfig, RunConfig
 from essa.types import AdapterVector
 
 if TYPE_CHECKING:
@@ -238,17 +238,18 @@ def searched_start(state: dict[str, Any]) -> dict[str, Any] | None:
     return None if scale is None or scale.get("validated") is False else scale
 
 
-def dense_informative(cfg: Config, state: dict[str, Any]) -> bool:
+def dense_informative(reward: RewardConfig, state: dict[str, Any]) -> bool:
     """Whether the fitness's tie-breaker ranks where the reward cannot: it is on and its check
     found factors the reward scores higher than the reward alone found (essa.es.start)."""
     check = (state.get("scale_baseline") or {}).get("reference_check")
-    if not cfg.reward.reference_weight or not check or check.get("factor") is None:
+    if not reward.reference_weight or not check or check.get("factor") is None:
         return False
     return bool(check["reward_with"] > check["reward_without"])
 
 
 def watch_start(
-    cfg: Config,
+    optimizer: OptimizerConfig,
+    reward: RewardConfig,
     h: Harness,
     watch: Watch,
     validate: Validate,
@@ -268,7 +269,7 @@ def watch_start(
         return watch.state
     watch.observe("SFT adapter", -1, zeros, scores)
     start = watch.state["points"][0]["score"]
-    scale = searched_start(state) if cfg.optimizer.start == "scale_baseline" else None
+    scale = searched_start(state) if optimizer.start == "scale_baseline" else None
     if scale is not None and scale["factor"] != 1.0:
         x0, name = scale_vector(adapter, scale["factor"]), f"SFT adapter x{scale['factor']:g}"
         fields = watch.observe(name, -1, x0, validate(x0, name, items))
@@ -280,7 +281,7 @@ def watch_start(
             f"the search starts {verdict}"
         )
         start = fields["val_accuracy"] if scale["validated"] else start
-    line = watch.preflight(start, dense_informative(cfg, state))
+    line = watch.preflight(start, dense_informative(reward, state))
     if line is not None:
         h.say(line)
     watch.start_search()

@@ -141,7 +141,9 @@ def run(
         cfg = _checked_tie_breaker(setup.apply_plan(cfg, budget.adopt(h, state)), h, state)
         watch = Watch(WatchSettings.of(cfg.run), state.get("watch"))
         if "watch" not in state:  # a fresh run: the SFT adapter and the start on validation
-            state["watch"] = watch_start(cfg, h, watch, validate, adapter, state, budget.items)
+            state["watch"] = watch_start(
+                cfg.optimizer, cfg.reward, h, watch, validate, adapter, state, budget.items
+            )
         if opt is None:
             opt = search_optimizer(cfg.optimizer, cfg.run.seed, adapter, searched_start(state))
         rows = cfg.optimizer.population_size * cfg.generation.samples_per_prompt
