@@ -116,6 +116,10 @@ STYLES: dict[str, list[tuple[str, str, float]]] = {
         ("The answer is 10,\\!000.", "10000", 1.0),
         (r"\boxed{10,\!000}", "10000", 1.0),
         (r"\boxed{1{,}000{,}000}", "1000000", 1.0),
+        (r"\boxed{5\,000\,000}", "5000000", 1.0),
+        ("The answer is 5 000 000.", "5000000", 1.0),
+        ("The answer is 5\u202f000.", "5000", 1.0),
+        ("The answer is 5 000 000.", "5000", 0.0),
         ("The answer is 4,200.", "42", 0.0),
     ],
     "units": [

@@ -1,6 +1,7 @@
 """Numbers as answers are written: one regex for a value token, its exact value, a plain form.
 
-A *value token* is a number with what belongs to it: a sign, thousands groups (``5,000,000``),
+A *value token* is a number with what belongs to it: a sign, thousands groups (``5,000,000``,
+``5 000 000``, ``10,\\!000``),
 decimals, ``a/b``, scientific notation (``1e3``, ``1.5e-2``, ``2×10^3``, ``2 \\times 10^{3}``),
 a mixed number (``3 1/2``, ``3\\frac{1}{2}``, ``3½``), scale words (``5 million``, ``2 dozen``)
 and a percent sign or word. :func:`canonical_number` rewrites an answer that is one such token
@@ -28,11 +29,14 @@ _SCALE_FACTORS = {
 _MAX_EXPONENT = 100
 _MAX_LENGTH = 200
 _VULGAR = "\u00bc-\u00be\u2150-\u215e"  # ¼ ½ ¾ and ⅐ ... ⅞
+# Between thousands groups: a comma, LaTeX's "10,\!000" and "5\,000", a thin, narrow or plain
+# space ("5 000 000"; a list "2 3" has no three-digit groups).
+_GROUP_SEPARATOR = r"(?:,\\!|\\,|,|[ \u00a0\u2009\u202f])"
 # Integer part: thousands groups ("1,234", not "2,3") or digits; a sign only where it cannot be
 # a binary minus ("10-20" is two tokens, "= -3" one).
 VALUE = (
     r"(?P<sign>(?<![\w)}\]])[-+\u2212])?"
-    r"(?:(?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?P<dec>\.\d+)?|(?P<bare>\.\d+))"
+    rf"(?:(?P<int>\d{{1,3}}(?:{_GROUP_SEPARATOR}\d{{3}})+(?!\d)|\d+)(?P<dec>\.\d+)?|(?P<bare>\.\d+))"
     r"(?:(?P<exp>[eE][-+]?\d{1,3})(?!\w)"
     r"|[ \t]*(?:\\times|\\cdot|[\u00d7x*\u00b7])[ \t]*10[ \t]*\^[ \t]*"
     r"(?:\{[ \t]*(?P<pow>[-+]?\d{1,3})[ \t]*\}|(?P<pow2>[-+]?\d{1,3})))?"
@@ -49,6 +53,7 @@ _CURRENCY = r"(?:\\?\$|[\u20ac\u00a3\u00a5])"
 _ONE_VALUE = re.compile(rf"\s*{_CURRENCY}?\s*(?:{VALUE})(?:\s+[A-Za-z]{{2,}}\.?)*\s*")
 _TEXT_COMMAND = re.compile(r"\\(?:text|mbox|mathrm|textrm)\s*\{([^{}]*)\}")
 _DIGITS = re.compile(r"\d+")
+_NOT_DIGIT = re.compile(r"\D")
 
 
 def _fraction_part(text: str) -> Fraction:
@@ -76,7 +81,7 @@ def token_value(match: re.Match[str]) -> tuple[Fraction, bool] | None:
         return None
     if len(match.group(0)) > _MAX_LENGTH:
         return None
-    value = Fraction(match["bare"] or match["int"].replace(",", "") + (match["dec"] or ""))
+    value = Fraction(match["bare"] or _NOT_DIGIT.sub("", match["int"]) + (match["dec"] or ""))
     value *= Fraction(10) ** exponent
     if match["over"]:
         denominator = int(match["over"][1:])
@@ -116,8 +121,8 @@ def plain(value: Fraction) -> str:
 
 def canonical_number(answer: str) -> str:
     """``answer`` as a plain number when it is one value token written with scientific
-    notation, a mixed number, a scale word or the word "percent" (units after it dropped);
-    any other answer unchanged.
+    notation, a mixed number, a scale word, the word "percent" or thousands groups apart by
+    spaces (units after it dropped); any other answer unchanged.
 
     >>> [canonical_number(t) for t in ("5 million", "-3 1/2", "2 \\\\times 10^{3}", "1e3 kg")]
     ['5000000', '-3.5', '2000', '1000']
@@ -132,7 +137,10 @@ def canonical_number(answer: str) -> str:
     assert match is not None  # the full match holds a token
     written = ("exp", "pow", "pow2", "mixed")
     percent_word = (match["pct"] or "").strip().lower() == "percent"
-    if not (any(match[name] for name in written) or match["scale"].strip() or percent_word):
+    spaced = _NOT_DIGIT.sub("", match["int"] or "") != (match["int"] or "").replace(",", "")
+    if not (
+        any(match[name] for name in written) or match["scale"].strip() or percent_word or spaced
+    ):
         return answer  # a plain number: both graders read it as it is
     read = token_value(match)
     if read is None:
