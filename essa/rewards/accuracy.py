@@ -3,7 +3,12 @@
 Grading one item (spec rewards-and-eval.md §2-3):
 
 1. gold = :func:`~essa.rewards.extract.normalize_gold` (GSM8K ``####`` tail, boxed content,
-   thousands separators); pred = :func:`~essa.rewards.extract.extract_answer`.
+   thousands separators); pred = the answer of the completion's
+   :func:`~essa.rewards.extract.final_statement`. A statement that names several candidate
+   values ("2 or 3", "between 10 and 20", ``\boxed{2} or \boxed{3}``) is wrong, status
+   ``"hedged"``, when the gold is one value (:mod:`essa.rewards.hedge`). Both are then read
+   whole where they are one number (:func:`~essa.rewards.numeric.canonical_number`: ``3 1/2``,
+   ``5 million``, ``1e3``).
 2. Fast path, no sympy (:func:`~essa.rewards.grading.fast_grade`): strings equal up to spaces
    are correct; if both are plain numbers (integers, decimals, ``a/b``, ``\\frac{a}{b}``) they
    are compared exactly as fractions. Equal -> correct. Unequal -> wrong, unless a decimal has

@@ -7,7 +7,12 @@ Extraction order of :func:`extract_answer` (spec rewards-and-eval.md §2, the Qw
 2. the text after the last GSM8K ``#### `` marker;
 3. the text after the last answer phrase: "the answer is", "final answer is", "Answer:",
    "the answer to this problem is";
-4. the last number in the text (``use_last_number``), so that a bare completion like "46" grades.
+4. the last number in the text (``use_last_number``), so that a bare completion like "46" grades;
+   a number is read whole (:data:`~essa.rewards.numeric.VALUE_TOKEN`: ``3 1/2``, ``1e3``,
+   ``2×10^3``, ``5 million``, ``50%``).
+
+:func:`final_statement` says where the answer was found (the box, or the sentence after the
+marker or phrase, or the sentence of the last number), which :mod:`essa.rewards.hedge` reads.
 
 Steps 2-4 read the completion with its Markdown emphasis removed (``**42**``, ``*42*``,
 ``__42__``, `` `42` ``; not ``2**10`` or ``x_1``). What follows a marker or phrase is cut to its
