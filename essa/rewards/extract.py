@@ -53,6 +53,7 @@ _PERCENT = re.compile(r"\s*\\?%$")
 # an em dash, a degree or currency sign, or the end.
 _AFTER_NUMBER = re.compile(
     r"\s*$|[,;:](?:\s+[^\s\d+-]|\s*$)|\s+\(|\s*[\u2014\u00b0\u20ac\u00a3\u00a5]"
+    r"|\s*/\s*[A-Za-z]{2,}"  # a rate unit: "$42/hour" (not "42/x")
 )
 # The word after the number, and whether the sentence ends or a clause opens right after it.
 _NEXT_WORD = re.compile(r"\s+([A-Za-z]+)(?![A-Za-z])(\s*$|[,;:(]|[\u00b2\u00b3]\s*$)?")
@@ -175,7 +176,7 @@ def _sentence_span(rest: str) -> tuple[str, int]:
     line = rest.split("\n", 1)[0]
     end = _SENTENCE_END.search(line)
     length = end.start() if end is not None else len(line)
-    return line[:length].strip().rstrip(".,;:!?").strip().strip(_QUOTES).strip(), length
+    return line[:length].strip().rstrip(".,;:!?\u2026").strip().strip(_QUOTES).strip(), length
 
 
 def _sentence(rest: str) -> str:

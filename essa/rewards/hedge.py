@@ -110,6 +110,7 @@ def clean(text: str) -> str:
     text = _TEXT_COMMAND.sub(r" \1 ", text)
     text = _LATEX_OR.sub(" or ", text)
     text = _LATEX_QUAD.sub(", ", text)
+    text = text.replace("\\\\", " ")  # a LaTeX line break
     text = _LATEX_SPACE.sub("", text)
     text = _MATH_DELIMITER.sub(" ", text)
     return strip_markup(text.replace("\u2212", "-").replace("{,}", ","))
@@ -130,11 +131,19 @@ def _token_key(match: re.Match[str]) -> Key | None:
 def _many_numbers_key(piece: str, tokens: list[re.Match[str]]) -> Key | _Several:
     """Several numbers in one piece: several values when only words lie between them
     ("3 apples 4 pears", "2 3"), else one expression ("16 + 60", "2\\sqrt{3}")."""
-    gaps = [piece[a.end() : b.start()] for a, b in itertools.pairwise(tokens)]
+    pairs = list(itertools.pairwise(tokens))
+    gaps = [piece[a.end() : b.start()] for a, b in pairs]
     words = {word.lower() for gap in gaps for word in _WORD.findall(gap)}
     if all(re.fullmatch(r"[\sA-Za-z]*", gap) for gap in gaps) and not words & _MATH_WORDS:
         return SEVERAL
+    if all(gap == "-" and _whole(a) and _whole(b) for gap, (a, b) in zip(gaps, pairs, strict=True)):
+        return SEVERAL  # a range "in the range 7-8" (but "3-1/2" or "3-2\sqrt{2}" is arithmetic)
     return _squeezed(piece)
+
+
+def _whole(token: re.Match[str]) -> bool:
+    """A token without a fraction part: a range's end."""
+    return not (token["over"] or token["mixed"])
 
 
 def piece_key(piece: str) -> Key | _Several | None:
@@ -176,8 +185,22 @@ def pieces(text: str, *, justified: bool = False) -> list[Key | _Several]:
     if justified:
         cut = _JUSTIFICATION.search(text)
         text = text[: cut.start()] if cut else text
-    keys = [piece_key(piece) for piece in _SEPARATOR.split(text)]
+    keys = [piece_key(piece) for piece in _split(text)]
     return [key for key in keys if key is not None]
+
+
+def _split(text: str) -> list[str]:
+    """``text`` split at the separators that are not inside a value token ("2 and 1/2")."""
+    spans = [(match.start(), match.end()) for match in VALUE_TOKEN.finditer(text)]
+    starts = [start for start, _ in spans]
+    parts, last = [], 0
+    for separator in _SEPARATOR.finditer(text):
+        token = bisect.bisect_right(starts, separator.start()) - 1
+        if token >= 0 and separator.start() < spans[token][1]:
+            continue
+        parts.append(text[last : separator.start()])
+        last = separator.end()
+    return [*parts, text[last:]]
 
 
 def _same(a: Key, b: Key) -> bool:

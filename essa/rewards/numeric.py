@@ -2,8 +2,8 @@
 
 A *value token* is a number with what belongs to it: a sign, thousands groups (``5,000,000``,
 ``5 000 000``, ``10,\\!000``),
-decimals, ``a/b``, scientific notation (``1e3``, ``1.5e-2``, ``2×10^3``, ``2 \\times 10^{3}``),
-a mixed number (``3 1/2``, ``3\\frac{1}{2}``, ``3½``), scale words (``5 million``, ``2 dozen``)
+decimals, ``a/b``, scientific notation (``1e3``, ``1.5e-2``, ``2×10^3``, ``2 \\times 10^{3}``, ``1.5·10³``),
+a mixed number (``3 1/2``, ``3 and 1/2``, ``3\\frac{1}{2}``, ``3½``), scale words (``5 million``, ``2 dozen``)
 and a percent sign or word. :func:`canonical_number` rewrites an answer that is one such token
 (and unit words) as a plain number, so that the fast path and math-verify read ``5 million`` as
 5000000 and ``3 1/2`` as 3.5 (math-verify alone reads neither, and the fast path used to read
@@ -28,6 +28,11 @@ _SCALE_FACTORS = {
 # cost time and memory.
 _MAX_EXPONENT = 100
 _MAX_LENGTH = 200
+# 10³, 10⁻²: superscript minus, plus and digits, read through _FROM_SUPERSCRIPT.
+_SUPERSCRIPTS = "\u207b\u207a\u2070\u00b9\u00b2\u00b3\u2074-\u2079"
+_FROM_SUPERSCRIPT = str.maketrans(
+    "\u207b\u207a\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079", "-+0123456789"
+)
 _VULGAR = "\u00bc-\u00be\u2150-\u215e"  # ¼ ½ ¾ and ⅐ ... ⅞
 # Between thousands groups: a comma, LaTeX's "10,\!000" and "5\,000", a thin, narrow or plain
 # space ("5 000 000"; a list "2 3" has no three-digit groups).
@@ -38,10 +43,11 @@ VALUE = (
     r"(?P<sign>(?<![\w)}\]])[-+\u2212])?"
     rf"(?:(?P<int>\d{{1,3}}(?:{_GROUP_SEPARATOR}\d{{3}})+(?!\d)|\d+)(?P<dec>\.\d+)?|(?P<bare>\.\d+))"
     r"(?:(?P<exp>[eE][-+]?\d{1,3})(?!\w)"
-    r"|[ \t]*(?:\\times|\\cdot|[\u00d7x*\u00b7])[ \t]*10[ \t]*\^[ \t]*"
-    r"(?:\{[ \t]*(?P<pow>[-+]?\d{1,3})[ \t]*\}|(?P<pow2>[-+]?\d{1,3})))?"
+    r"|[ \t]*(?:\\times|\\cdot|[\u00d7x*\u00b7])[ \t]*10(?:[ \t]*(?:\^|\*\*)[ \t]*"
+    r"(?:\{[ \t]*(?P<pow>[-+]?\d{1,3})[ \t]*\}|(?P<pow2>[-+]?\d{1,3}))"
+    rf"|(?P<sup>[{_SUPERSCRIPTS}]{{1,4}})))?"
     r"(?:(?P<over>/\d+)(?![\d/]|[.,]\d)"
-    r"|(?P<mixed>[ \t]+\d+/\d+(?![\d/]|[.,]\d)"
+    r"|(?P<mixed>(?:[ \t]+|[ \t]+and[ \t]+)\d+/\d+(?![\d/]|[.,]\d)"
     r"|[ \t]*\\[dt]?frac[ \t]*(?:\{[ \t]*\d+[ \t]*\}[ \t]*\{[ \t]*\d+[ \t]*\}|\d\d)"
     rf"|[ \t]*[{_VULGAR}]))?"
     r"(?P<scale>(?:[ \t]+(?i:hundred|thousand|million|billion|trillion|dozen)\b){0,3})"
@@ -76,6 +82,7 @@ def token_value(match: re.Match[str]) -> tuple[Fraction, bool] | None:
     """
     decimal = bool(match["dec"] or match["bare"])
     exponent_text = (match["exp"] or "")[1:] or match["pow"] or match["pow2"]
+    exponent_text = exponent_text or (match["sup"] or "").translate(_FROM_SUPERSCRIPT)
     exponent = int(exponent_text) if exponent_text else 0
     if abs(exponent) > _MAX_EXPONENT or (match["mixed"] and (decimal or exponent_text)):
         return None
@@ -135,7 +142,7 @@ def canonical_number(answer: str) -> str:
         return answer
     match = VALUE_TOKEN.search(text)
     assert match is not None  # the full match holds a token
-    written = ("exp", "pow", "pow2", "mixed")
+    written = ("exp", "pow", "pow2", "sup", "mixed")
     percent_word = (match["pct"] or "").strip().lower() == "percent"
     spaced = _NOT_DIGIT.sub("", match["int"] or "") != (match["int"] or "").replace(",", "")
     if not (
