@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from essa.config import GenerationConfig
 from tests.cli_runner import essa
 
 ITEMS = 96
@@ -130,3 +131,49 @@ def test_gradient_heldout_path_scores_a_peft_model_as_essa_does(sft_dir: Path, d
 
 def _lora_names(peft_model: torch.nn.Module) -> list[str]:
     return [name for name, module in peft_model.named_modules() if hasattr(module, "lora_A")]
+
+
+PROMPTS = ["12+3=", "7+45=", "1+1=", "99+99=", "5+60="]  # lengths differ: rows get reordered
+
+
+def test_heldout_completions_come_back_in_prompt_order(tiny_lora) -> None:  # type: ignore[no-untyped-def]
+    """Rows run shortest first; each completion is returned at its prompt's place, the same
+    text as generating that prompt alone (float32, where row order changes no token)."""
+    from essa.backends.evaluator import heldout_completions
+    from essa.backends.generate import generate_texts
+
+    peft_model, tokenizer = tiny_lora
+    gen = GenerationConfig(max_new_tokens=6)
+    texts, _ = heldout_completions(peft_model, tokenizer, PROMPTS, gen, micro_batch_size=2)
+    alone = [
+        generate_texts(peft_model, tokenizer, [p], gen, micro_batch_size=1)[0][0] for p in PROMPTS
+    ]
+    assert texts == alone
+    assert len(set(texts)) > 1  # the prompts get different completions: the order is checked
+
+
+def test_a_lora_layer_that_is_not_plain_runs_as_peft_computes_it(tiny_model_dir: Path) -> None:
+    """A DoRA adapter is not W0 x + s B (A x): it is read as no factors and decoded by PEFT's
+    own layers, not scored as a plain LoRA of its A and B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from essa.adapters.population import peft_factors
+    from essa.backends.evaluator import heldout_completions
+    from essa.backends.generate import generate_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True)
+    dora = get_peft_model(base, lora).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in dora.named_parameters():
+            if "lora_B" in name or "magnitude" in name:
+                param.add_(0.5 * torch.randn(param.shape, generator=generator))
+    _, factors = peft_factors(dora)
+    assert factors == {}
+    gen = GenerationConfig(max_new_tokens=6)
+    texts, _ = heldout_completions(dora, tokenizer, PROMPTS, gen, micro_batch_size=8)
+    alone = [generate_texts(dora, tokenizer, [p], gen, micro_batch_size=1)[0][0] for p in PROMPTS]
+    assert texts == alone
