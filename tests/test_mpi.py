@@ -47,6 +47,8 @@ SMALL = [
     "generation.max_new_tokens=8",
     "sft.batch_size=100",
     "evaluation.use_scale_baseline=true",
+    # The tiny model scores 0 on the held-out metric (validation too): search all the same.
+    "run.on_no_signal=search",
 ]
 FAULT_TIMEOUT = 300  # s; a healthy fault run ends in seconds, a hung one would never end
 MPI_ABORT_EXIT = 1  # essa.cli's guard calls MPI_Abort(COMM_WORLD, 1); mpiexec passes it on
@@ -313,7 +315,7 @@ def test_two_ranks_match_one_rank(reference: Path, tiny_model_dir: Path, tmp_pat
     run_dir = tmp_path / "two-ranks"
     res = train(2, "--run-dir", str(run_dir), sets=small(tiny_model_dir, "run.generations=3"))
     # Rank 0 alone prints the summary and messages; the others print nothing.
-    assert res.stdout.count('"final_accuracy"') == 1
+    assert res.stdout.count("summary:  ") == 1
     assert res.stdout.count("ESSA: D=") == 1
     assert trajectory(run_dir) == trajectory(reference)  # same fitness, sigma, held-out, ...
     records = generations(run_dir)[1:]
