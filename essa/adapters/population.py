@@ -191,7 +191,7 @@ def peft_factors(
     return inner, factors
 
 
-def _plain_lora_adapter(module: nn.Module) -> str | None:
+def _plain_lora_adapter(module: Any) -> str | None:
     """The single active adapter of a PEFT LoRA layer that computes W0 x + s B (A x); None
     when the layer computes anything else."""
     active = getattr(module, "active_adapters", None) or ["default"]
