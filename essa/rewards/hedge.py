@@ -7,7 +7,8 @@ when
 
 - it splits into pieces with different values at alternatives: "or", "either", "and",
   "between", "from", "to", "through", a comma or semicolon list (not a thousands group such as
-  5,000,000), an en dash, a range "10-20", ``\\pm``, ``\\text{ or }``, ``\\lor``, ``\\quad``;
+  5,000,000), "maybe", an en dash, a range "10-20", ``\\pm``, ``\\text{ or }``, ``\\lor``,
+  ``\\quad``, ``\\\\``;
   or a piece holds several numbers with only words between them ("3 apples 4 pears"). For a
   sentence after an answer phrase or ``####``, what follows a justification ("because",
   "since", "which", "not", a parenthesis, ";", ...) is left out, so that "42, which is 6 * 7"
@@ -255,12 +256,12 @@ def _item_key(item: re.Match[str] | _Box) -> Key | _Several:
     return key if key is not None else _squeezed(item.group(0))
 
 
-def _is_alternative(
-    text: str, left: tuple[int, int, object], right: tuple[int, int, object]
-) -> bool:
+def _is_alternative(text: str, left: _Item, right: _Item) -> bool:
     gap = text[left[1] : right[0]]
     if not (_ALTERNATIVE_GAP.fullmatch(gap) or _ALTERNATIVE_GAP.fullmatch(clean(gap))):
         return False
+    if gap == "-" and not all(isinstance(x, re.Match) and _whole(x) for x in (left[2], right[2])):
+        return False  # "3-1/2" is arithmetic to math-verify, not a range
     # "rose from 10 to 20" is a change, not a range of answers.
     return not (_TO_GAP.fullmatch(gap) and _FROM_BEFORE.search(text[: left[0]]))
 
