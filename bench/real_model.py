@@ -341,11 +341,9 @@ def essa_seed(
     wall = timed(args, run_dir / "summary.json", log, threads, reuse, keep)
     summary = json.loads((run_dir / "summary.json").read_text())
     scores = passes(run_dir)
-    margins = [
-        r["margin_prompts"]
-        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-        if "margin_prompts" in r
-    ]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    margins = [r["margin_prompts"] for r in records if "margin_prompts" in r]
+    signals = [r["signal"] for r in records if "signal" in r]
     return {
         "seed": seed,
         "run_dir": str(run_dir),
@@ -358,6 +356,7 @@ def essa_seed(
         "essa_vs_sft_full_credit": paired(full(scores["final"]), full(scores["sft"])),
         "essa_vs_scale": paired(scores["final"], scores["scale"]) if "scale" in scores else None,
         "margin_prompts_median": statistics.median(margins) if margins else None,
+        "signal_median": statistics.median(signals) if signals else None,
         "scores": scores,
     }
 
@@ -694,14 +693,34 @@ def check_cell(scale_baseline: dict[str, Any] | None) -> str:
     return "kept (tie)" if check["reward_with"] == check["reward_without"] else "kept"
 
 
+def watch_cells(record: dict[str, Any]) -> list[str]:
+    """A run's own reading of its signal (docs/signal.md): the median signal, the exported
+    point, why it stopped and the share of its budget it used; "-" for a record from before.
+
+    >>> s = {"exported": {"point": "SFT adapter"}, "stop_reason": "no signal: ...",
+    ...      "wall_seconds": 285.0, "plan": {"budget": 1140.0}}
+    >>> watch_cells({"summary": s, "signal_median": 0.02})
+    ['0.02', 'SFT adapter', 'no signal', '25%']
+    """
+    s = record["summary"]
+    signal = record.get("signal_median")
+    exported = (s.get("exported") or {}).get("point", "-")
+    reason = s.get("stop_reason")
+    stop = "-" if "exported" not in s else (reason or "ceiling or budget").split(":")[0]
+    budget = (s.get("plan") or {}).get("budget")
+    used = f"{s['wall_seconds'] / budget:.0%}" if budget else "-"
+    return ["-" if signal is None else f"{signal:.2f}", exported, stop, used]
+
+
 def seeds_table(result: dict[str, Any]) -> str:
     """One row per task and seed: the SFT adapter, the scaled start the search began from, the
     tie-breaker's check, the final adapter and its paired gains, the plan's prompts per
     generation, generations, run seconds and peak RSS."""
     lines = [
         "| task | seed | SFT | start | check | ESSA | ESSA - SFT (paired SE) | ESSA - start (SE) "
-        "| margin prompts (median) | generations | run s | peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| margin prompts (median) | signal (median) | exported | stop | budget used "
+        "| generations | run s | peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for task, t in result["tasks"].items():
         for r in t["essa"]:
@@ -715,7 +734,7 @@ def seeds_table(result: dict[str, Any]) -> str:
                 check_cell(scale), f"{acc['final']:.3f}", f"{p['gain']:+.3f} ({p['se']:.3f})",
                 f"{vs_start['gain']:+.3f} ({vs_start['se']:.3f})" if vs_start else "-",
                 "-" if margin is None else f"{margin:.1f} of {s.get('plan', {}).get('prompts')}",
-                s["generations"], f"{s['wall_seconds']:.0f}",
+                *watch_cells(r), s["generations"], f"{s['wall_seconds']:.0f}",
                 f"{s['peak_rss_mb']:.0f} MB" if s.get("peak_rss_mb") else "-",
             ]  # fmt: skip
             lines.append("| " + " | ".join(map(str, cells)) + " |")

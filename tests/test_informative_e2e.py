@@ -138,8 +138,8 @@ def spy_evaluator(calls: Calls, completions: Any) -> Any:
 
 
 def spy_generate_texts(calls: Calls, generate_texts: Any) -> Any:
-    """GRPO's held-out ``generate_texts(model, tokenizer, prompts, ...)`` (rollouts sample
-    through ``model.generate``, so every call here is a held-out one)."""
+    """GRPO's held-out ``heldout_completions(model, tokenizer, prompts, ...)`` (the one
+    held-out path; rollouts sample through ``model.generate``)."""
 
     def wrapped(model: Any, tokenizer: Any, prompts: list[str], *a: Any, **k: Any) -> Any:
         calls.append((True, list(prompts)))
@@ -154,7 +154,6 @@ def test_heldout_prompts_never_get_hints(
     tmp_path: Path, recipe: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import essa.backends
-    import essa.backends.generate
     from essa.config import load_config
     from essa.recipes import essa_es, grpo
 
@@ -169,8 +168,12 @@ def test_heldout_prompts_never_get_hints(
 
         monkeypatch.setattr(essa.backends, "population_evaluator", evaluator)
     else:
-        generate = spy_generate_texts(calls, essa.backends.generate.generate_texts)
-        monkeypatch.setattr(essa.backends.generate, "generate_texts", generate)
+        import essa.backends.evaluator
+
+        heldout = essa.backends.evaluator.heldout_completions
+        monkeypatch.setattr(
+            essa.backends.evaluator, "heldout_completions", spy_generate_texts(calls, heldout)
+        )
     # No drift report: its retention and sampled passes would count as held-out calls.
     no_drift = ["evaluation.drift.prompts=0", "evaluation.drift.items=0"]
     cfg = load_config(None, [*overrides(tmp_path, recipe, 4), "evaluation.every=2", *no_drift])
