@@ -213,7 +213,9 @@ def test_population_pool_two_ranks_match_one_rank(
     # the term alone): each the other rank's 2 candidates x 8 bytes plus an 8-byte count.
     k = 2 if "generation.samples_per_prompt=2" in sets else 1
     pooled = "reward.params.pool=population" in sets
-    expected = 96 + (8 * (2 * 4 * k) + 8 if pooled else 2 * (8 + 8 * 2))
+    # Always: the other rank's 2 candidates' rewards on the 4 prompts (the signal's), 8 bytes
+    # each plus a count.
+    expected = 96 + 72 + (8 * (2 * 4 * k) + 8 if pooled else 2 * (8 + 8 * 2))
     for record in generations(two)[1:]:
         assert record["comm_bytes"] == expected
 

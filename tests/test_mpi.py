@@ -319,8 +319,11 @@ def test_two_ranks_match_one_rank(reference: Path, tiny_model_dir: Path, tmp_pat
     assert res.stdout.count("ESSA: D=") == 1
     assert trajectory(run_dir) == trajectory(reference)  # same fitness, sigma, held-out, ...
     records = generations(run_dir)[1:]
-    # Rank 0 receives 2 fitness values (16 B), a sha256 hex checksum (64 B), 2 counts (16 B).
-    assert all(r["world_size"] == 2 and r["comm_bytes"] == 96 for r in records)
+    # Rank 0 receives 2 fitness values (16 B), their rewards on the 4 prompts (64 B: the
+    # signal's), a sha256 hex checksum (64 B) and 3 counts (24 B).
+    assert all(r["world_size"] == 2 and r["comm_bytes"] == 168 for r in records), [
+        r["comm_bytes"] for r in records
+    ]
     assert_same_adapter(run_dir, reference)
     summary = json.loads((run_dir / "summary.json").read_text())
     ref_summary = json.loads((reference / "summary.json").read_text())
