@@ -503,6 +503,11 @@ def _sample_metrics(
             model, tokenizer, ids, gen, cfg.tools.python,
             micro_batch_size=cfg.evaluation.micro_batch_size, seed=cfg.run.seed,
         )  # fmt: skip
+    elif k == 1:  # the held-out path every recipe's held-out score takes (docs/inference.md)
+        from essa.backends.evaluator import heldout_completions
+
+        micro = cfg.evaluation.micro_batch_size
+        texts, _ = heldout_completions(model, tokenizer, rows, gen, micro_batch_size=micro)
     else:
         texts, _ = generate_texts(
             model,
