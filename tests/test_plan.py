@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from essa.config import load_config
+from essa.config import Config, load_config
 from essa.errors import UserError
 from essa.es.plan import (
     CHECKS_SHARE,
@@ -19,6 +19,7 @@ from essa.es.plan import (
     START_SHARE,
     TARGET_GENERATIONS,
     Costs,
+    Plan,
     TaskLengths,
     auto_max_new_tokens,
     generation_sizes,
@@ -45,6 +46,14 @@ REAL = [
 
 def real_cfg(*extra: str):  # type: ignore[no-untyped-def]
     return load_config(None, [*REAL, *extra])
+
+
+def real_plan(cfg: Config) -> Plan:
+    """``cfg``'s plan on a probe's typical costs, with 500 test and 5000 training items."""
+    return make_plan(
+        plan_inputs(cfg), Costs(row=0.05, sft_step=1.5, spent=10), test_items=500,
+        train_items=5000,
+    )  # fmt: skip
 
 
 def lengths(reference_max: int) -> TaskLengths:
@@ -216,10 +225,7 @@ def test_the_search_resizes_its_prompts_and_keeps_the_new_plan(tmp_path: Path) -
     from essa.harness import Harness
 
     cfg = real_cfg()
-    plan = make_plan(
-        plan_inputs(cfg), Costs(row=0.05, sft_step=1.5, spent=10), test_items=500,
-        train_items=5000,
-    )  # fmt: skip
+    plan = real_plan(cfg)
     assert (plan.population, plan.prompts) == (16, 32)
     lines: list[str] = []
     h = Harness(cfg, tmp_path, resume=False, console=None, comm=get_comm("local"))
@@ -295,10 +301,7 @@ def test_a_first_generation_past_the_budget_plans_no_negative_generations(tmp_pa
     from essa.es.budget import PLAN_NAME, Budget
 
     cfg = real_cfg()
-    plan = make_plan(
-        plan_inputs(cfg), Costs(row=0.05, sft_step=1.5, spent=10), test_items=500,
-        train_items=5000,
-    )  # fmt: skip
+    plan = real_plan(cfg)
     with _harness(cfg, tmp_path) as h:
         h.elapsed_before = plan.budget + 300.0  # the first generation ended 5 minutes late
         budget = Budget(plan)
@@ -324,10 +327,7 @@ def test_a_generation_measured_at_zero_seconds_resizes_without_dividing_by_zero(
     from essa.es.budget import Budget
 
     cfg = real_cfg()
-    plan = make_plan(
-        plan_inputs(cfg), Costs(row=0.05, sft_step=1.5, spent=10), test_items=500,
-        train_items=5000,
-    )  # fmt: skip
+    plan = real_plan(cfg)
     with _harness(cfg, tmp_path) as h:
         budget = Budget(plan)
         resized = budget.resize_prompts(h, 0.0, 1, 40, 20, 32)  # only 20 training prompts

@@ -139,25 +139,24 @@ def test_patience_stops_after_checks_without_a_new_best() -> None:
     assert reason is not None and "not improved for 2 checks" in reason and w.stopped
 
 
-def test_no_signal_stops_at_the_first_check_without_a_new_best() -> None:
-    w = _watch(patience=5, min_signal=0.1, signal_window=4)
+def _check_after(patience: int, signals: tuple[float, ...]) -> str | None:
+    """A check that brings no new best after four generations with ``signals``: the stop."""
+    w = _watch(patience=patience, min_signal=0.1, signal_window=4)
     w.observe("SFT adapter", -1, np.zeros(1), [0.0, 1.0])
     w.start_search()
-    for value in (0.0, 0.05, 0.0, 0.02):
+    for value in signals:
         w.signal(value)
     w.observe("g4", 3, np.zeros(1), [0.0, 1.0])
-    reason = w.stop_after_check(3)
+    return w.stop_after_check(3)
+
+
+def test_no_signal_stops_at_the_first_check_without_a_new_best() -> None:
+    reason = _check_after(5, (0.0, 0.05, 0.0, 0.02))
     assert reason is not None and "no signal" in reason and "0.01" in reason
 
 
 def test_a_signal_keeps_the_run_going_within_its_patience() -> None:
-    w = _watch(patience=3, min_signal=0.1, signal_window=4)
-    w.observe("SFT adapter", -1, np.zeros(1), [0.0, 1.0])
-    w.start_search()
-    for value in (0.5, 0.6, 0.4, 0.7):
-        w.signal(value)
-    w.observe("g4", 3, np.zeros(1), [0.0, 1.0])
-    assert w.stop_after_check(3) is None
+    assert _check_after(3, (0.5, 0.6, 0.4, 0.7)) is None
 
 
 @pytest.mark.parametrize(

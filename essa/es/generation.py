@@ -16,7 +16,7 @@ from essa import seeding
 from essa.config import DataConfig, GenerationConfig, RewardConfig, RunConfig
 from essa.dist import Comm
 from essa.errors import UserError
-from essa.es.signal import signal_record
+from essa.es.signal import nan_mean, signal_record
 from essa.protocols import (
     Evaluator,
     LogprobEvaluator,
@@ -370,16 +370,3 @@ def prompt_values(
     values = nan_mean(rewards)  # (p, N)
     values[np.asarray(nonfinite, dtype=bool)] = np.nan
     return values
-
-
-def nan_mean(x: np.ndarray) -> np.ndarray:
-    """Mean over the last axis of the finite entries; NaN, without a warning, where a row has
-    none.
-
-    >>> nan_mean(np.array([[1.0, np.nan, 3.0], [np.nan, np.nan, np.nan]])).tolist()
-    [2.0, nan]
-    """
-    finite = np.isfinite(x)
-    total = np.where(finite, x, 0.0).sum(-1)
-    count = finite.sum(-1)
-    return np.divide(total, count, out=np.full(np.shape(total), np.nan), where=count > 0)

@@ -84,10 +84,7 @@ def split_half(values: np.ndarray, seed: int, generation: int, splits: int = SPL
 def _row_means(x: np.ndarray) -> np.ndarray:
     """(P,) mean of each row's finite entries; a row without any counts as the worst (-inf
     would break the ranks' arithmetic, so the row's floor is one below the table's minimum)."""
-    finite = np.isfinite(x)
-    count = finite.sum(1)
-    total = np.where(finite, x, 0.0).sum(1)
-    means = np.divide(total, count, out=np.full(len(x), np.nan), where=count > 0)
+    means = nan_mean(x)
     floor = np.nanmin(means) - 1.0 if np.isfinite(means).any() else 0.0
     return np.where(np.isfinite(means), means, floor)
 
@@ -100,8 +97,9 @@ def disagree_share(values: np.ndarray) -> float:
     """
     if values.size == 0:
         return 0.0
-    hi = np.nanmax(np.where(np.isfinite(values), values, -np.inf), axis=0)
-    lo = np.nanmin(np.where(np.isfinite(values), values, np.inf), axis=0)
+    finite = np.isfinite(values)
+    hi = np.where(finite, values, -np.inf).max(0)
+    lo = np.where(finite, values, np.inf).min(0)
     return float(np.mean(np.isfinite(hi) & np.isfinite(lo) & (hi > lo)))
 
 
@@ -115,3 +113,16 @@ def signal_record(fitness: np.ndarray, values: np.ndarray, seed: int, g: int) ->
         "disagree_share": round(disagree_share(values), 4),
         "zero_margin": float(zero),
     }
+
+
+def nan_mean(x: np.ndarray) -> np.ndarray:
+    """Mean over the last axis of the finite entries; NaN, without a warning, where a row has
+    none.
+
+    >>> nan_mean(np.array([[1.0, np.nan, 3.0], [np.nan, np.nan, np.nan]])).tolist()
+    [2.0, nan]
+    """
+    finite = np.isfinite(x)
+    total = np.where(finite, x, 0.0).sum(-1)
+    count = finite.sum(-1)
+    return np.divide(total, count, out=np.full(np.shape(total), np.nan), where=count > 0)

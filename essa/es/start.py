@@ -82,11 +82,11 @@ def scale_baseline(
     from essa.es.generation import (
         SCALE_BASELINE_SITE,
         draw_keys,
-        nan_mean,
         prompt_values,
         reference_terms,
         scores,
     )
+    from essa.es.signal import nan_mean
 
     comm = comm or LocalComm()
 
@@ -167,7 +167,7 @@ def reference_check(
     >>> check["agrees"], check["factor"], check["reward_with"], check["reward_without"]
     (False, 1.0, 0.25, 0.75)
     """
-    from essa.es.generation import nan_mean
+    from essa.es.signal import nan_mean
 
     n = per_prompt.shape[1]
     if n < 2 or not np.isfinite(dense).any():

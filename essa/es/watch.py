@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from essa.data.task import Task
     from essa.harness import Harness
 
-Validate = Callable[[AdapterVector, str, "int | None"], list[float]]  # (x, name, items) -> scores
+Validate = Callable[[AdapterVector, str], list[float]]  # (x, name) -> per-item scores
 
 FLOOR = 0.03  # a start scoring below this on validation is at the floor ...
 CEILING = 0.97  # ... and above this at the ceiling: the reward has little left to rank
@@ -182,11 +182,26 @@ class Watch:
             self.state["stop"] = line
         return line
 
+    @property
+    def validating(self) -> bool:
+        """Whether the run has validation items to check against."""
+        return bool(self.state["reference"])
+
+    def summary(self) -> dict[str, Any]:
+        """The summary's account of the run's signal: why it stopped early (None: it did not),
+        the median signal over its generations and the validation items."""
+        signals = self.state["signals"]
+        return {
+            "stop_reason": self.state["stop"],
+            "signal_median": statistics.median(signals) if signals else None,
+            "val_size": len(self.state["reference"] or ()),
+        }
+
     def unchecked(self, generations: int) -> bool:
         """Whether the search's mean after ``generations`` still needs its validation check:
         the search ran past its last check (a ceiling or budget between checks)."""
         s = self.state
-        if not s["reference"] or generations == 0 or s["stop"] is not None:
+        if not self.validating or generations == 0 or s["stop"] is not None:
             return False
         return s["points"][-1]["generation"] != generations - 1
 
@@ -255,7 +270,6 @@ def watch_start(
     validate: Validate,
     adapter: SVDAdapter,
     state: dict[str, Any],
-    items: int | None,
 ) -> dict[str, Any]:
     """A fresh run's start on validation: the SFT adapter, the scaled start (the search starts
     from it only where it beats the SFT adapter by more than its paired SE) and the pre-flight
@@ -263,7 +277,7 @@ def watch_start(
     from essa.es.start import scale_vector
 
     zeros = np.zeros(adapter.dim)
-    scores = validate(zeros, "SFT adapter", items)
+    scores = validate(zeros, "SFT adapter")
     if not scores:
         h.say("no validation split (data.val_size 0): the search's mean is exported unchecked")
         return watch.state
@@ -272,7 +286,7 @@ def watch_start(
     scale = searched_start(state) if optimizer.start == "scale_baseline" else None
     if scale is not None and scale["factor"] != 1.0:
         x0, name = scale_vector(adapter, scale["factor"]), f"SFT adapter x{scale['factor']:g}"
-        fields = watch.observe(name, -1, x0, validate(x0, name, items))
+        fields = watch.observe(name, -1, x0, validate(x0, name))
         scale["validated"] = watch.validated()
         verdict = "there" if scale["validated"] else "at the SFT adapter"
         h.say(

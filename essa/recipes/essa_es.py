@@ -48,7 +48,14 @@ from essa.es.generation import (
     track_best,
 )
 from essa.es.optimizer import tell
-from essa.es.watch import Watch, WatchSettings, searched_start, val_prompts, watch_start
+from essa.es.watch import (
+    Validate,
+    Watch,
+    WatchSettings,
+    searched_start,
+    val_prompts,
+    watch_start,
+)
 from essa.harness import Harness, Phase
 from essa.protocols import Evaluator, Optimizer
 from essa.rewards.base import Reward
@@ -116,7 +123,7 @@ def run(
         evaluator.reference_margin = cfg.reward.reference_signal == "margin"  # type: ignore[attr-defined]
         heldout = functools.partial(_heldout, h, evaluator, task.test, test_prompts)
         val = val_prompts(task, cfg.data, tokenizer)
-        validate = functools.partial(_validate, h, evaluator, task.val, val)
+        validate = functools.partial(_validate, h, evaluator, task.val, val, budget)
         drift = functools.partial(adapter_report, cfg, h, base, tokenizer, adapter, task.test)
         pass_drift = functools.partial(adapter_pass_figures, cfg, base, tokenizer, adapter)
         search_drift = drift_budget(  # None: optimizer.drift_budget is off
@@ -142,7 +149,7 @@ def run(
         watch = Watch(WatchSettings.of(cfg.run), state.get("watch"))
         if "watch" not in state:  # a fresh run: the SFT adapter and the start on validation
             state["watch"] = watch_start(
-                cfg.optimizer, cfg.reward, h, watch, validate, adapter, state, budget.items
+                cfg.optimizer, cfg.reward, h, watch, validate, adapter, state
             )
         if opt is None:
             opt = search_optimizer(cfg.optimizer, cfg.run.seed, adapter, searched_start(state))
@@ -184,10 +191,8 @@ def run(
                     cfg, state["plan"] = setup.apply_plan(cfg, resized), resized.as_dict()
             watch.signal(record.get("signal"))
             stop = None
-            if h.due(g, cfg.evaluation.every) and task.val:
-                scores = validate(opt.mean, f"mean after generation {g + 1}", budget.items)
-                record.update(watch.observe(f"mean after generation {g + 1}", g, opt.mean, scores))
-                record.update(tool_metrics(evaluator, "val_"))
+            if h.due(g, cfg.evaluation.every) and watch.validating:
+                record.update(_check_mean(watch, validate, opt), **tool_metrics(evaluator, "val_"))
                 if h.is_root:  # rank 0 logs the record
                     record.update(pass_drift(opt.mean))
                 stop = watch.stop_after_check(g)
@@ -196,9 +201,8 @@ def run(
             step.finish(record, lambda: checkpoint.save(run_dir, opt, state), stop)
         state.update(test_size=len(task.test), model_bytes=base_bytes, elapsed=h.elapsed)
         state["max_new_tokens"] = cfg.generation.new_tokens
-        check = functools.partial(validate, items=budget.items)
         return _finish(
-            cfg, h, adapter, opt, state, heldout, sft_dir, drift, evaluator, watch, check
+            cfg, h, adapter, opt, state, heldout, sft_dir, drift, evaluator, watch, validate
         )
 
 
@@ -236,16 +240,17 @@ def _validate(
     evaluator: Evaluator,
     examples: list[Example],
     prompts: list[str],
+    budget: Budget,
     vector: AdapterVector,
     name: str,
-    items: int | None = None,
 ) -> list[float]:
-    """Per-item validation scores of ``vector`` (the first ``items``), gathered from every
-    rank's shard in item order; they feed the run's choices (essa.es.watch), never the test."""
+    """Per-item validation scores of ``vector`` (the first ``budget.items``: the plan's size
+    of a check, read at each call), gathered from every rank's shard in item order; they feed
+    the run's choices (essa.es.watch), never the test."""
     from essa.dist import shard
     from essa.evaluation import score_heldout
 
-    examples, prompts = examples[:items], prompts[:items]
+    examples, prompts = examples[: budget.items], prompts[: budget.items]
     if not examples:
         return []
     part = shard(len(prompts), h.comm.rank, h.comm.world_size)
@@ -253,6 +258,13 @@ def _validate(
         texts = heldout_texts(evaluator, vector, prompts[part], bar.advance)
     mine = score_heldout(h.metric, texts, examples[part], prompts[part])[1] if texts else []
     return h.comm.allgather_fitness(np.asarray(mine, dtype=np.float64)).tolist()
+
+
+def _check_mean(watch: Watch, validate: Validate, opt: Optimizer) -> dict[str, Any]:
+    """The search's mean after ``opt.generation`` generations on validation: its record's
+    fields (val_accuracy, val_gain, val_se, val_best)."""
+    name = f"mean after generation {opt.generation}"
+    return watch.observe(name, opt.generation - 1, opt.mean, validate(opt.mean, name))
 
 
 def _generation(
@@ -452,7 +464,7 @@ def _finish(
     drift: Callable[[AdapterVector], dict[str, Any]],
     evaluator: Evaluator,
     watch: Watch,
-    validate: Callable[[AdapterVector, str], list[float]],
+    validate: Validate,
 ) -> dict[str, Any]:
     """Evaluate the selected vector on the held-out split (every rank, sharded); rank 0 alone
     measures its drift (essa/drift.py), exports it and writes the summary (the others return
@@ -463,9 +475,7 @@ def _finish(
     if cfg.evaluation.select == "best" and state["best_vector"] is not None:
         vector = np.asarray(state["best_vector"])
     if watch.unchecked(opt.generation):  # the search's last mean, past its last check
-        name = f"mean after generation {opt.generation}"
-        scores = validate(opt.mean, name)
-        watch.observe(name, opt.generation - 1, opt.mean, scores)
+        _check_mean(watch, validate, opt)
     vector, exported = watch.choice(vector)  # the validated point, or the SFT adapter
     h.say(f"exported: {exported['point']} ({exported['why']})")
     tool_metrics(evaluator)
@@ -492,9 +502,7 @@ def _finish(
         scale_baseline=state.get("scale_baseline"),
         scale_baseline_ran="scale_baseline" in state,  # off by default for real models
         exported=exported,
-        stop_reason=watch.state["stop"],
-        signal_median=_median(watch.state["signals"]),
-        val_size=len(watch.state["reference"] or ()),
+        **watch.summary(),  # stop_reason, signal_median, val_size
         dim=adapter.dim,
         test_size=state["test_size"],
         drift=report,
@@ -508,7 +516,3 @@ def _finish(
             f"prompts): held-out {scale['heldout_accuracy']:.3f}"
         )
     return h.finish(summary)
-
-
-def _median(values: list[float]) -> float | None:
-    return float(np.median(values)) if values else None
