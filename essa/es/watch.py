@@ -262,6 +262,23 @@ def dense_informative(reward: RewardConfig, state: dict[str, Any]) -> bool:
     return bool(check["reward_with"] > check["reward_without"])
 
 
+def open_watch(
+    run: RunConfig,
+    optimizer: OptimizerConfig,
+    reward: RewardConfig,
+    h: Harness,
+    validate: Validate,
+    adapter: SVDAdapter,
+    state: dict[str, Any],
+) -> Watch:
+    """The run's watch: a resumed run's from its checkpointed state, a fresh run's after
+    :func:`watch_start` (kept in ``state`` for the checkpoint)."""
+    watch = Watch(WatchSettings.of(run), state.get("watch"))
+    if "watch" not in state:
+        state["watch"] = watch_start(optimizer, reward, h, watch, validate, adapter, state)
+    return watch
+
+
 def watch_start(
     optimizer: OptimizerConfig,
     reward: RewardConfig,

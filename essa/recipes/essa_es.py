@@ -48,14 +48,7 @@ from essa.es.generation import (
     track_best,
 )
 from essa.es.optimizer import tell
-from essa.es.watch import (
-    Validate,
-    Watch,
-    WatchSettings,
-    searched_start,
-    val_prompts,
-    watch_start,
-)
+from essa.es.watch import Validate, Watch, open_watch, searched_start, val_prompts
 from essa.harness import Harness, Phase
 from essa.protocols import Evaluator, Optimizer
 from essa.rewards.base import Reward
@@ -146,11 +139,8 @@ def run(
         most = min(batch, len(task.train))
         # The planned candidates and prompts per generation; the tie-breaker as checked.
         cfg = _checked_tie_breaker(setup.apply_plan(cfg, budget.adopt(h, state)), h, state)
-        watch = Watch(WatchSettings.of(cfg.run), state.get("watch"))
-        if "watch" not in state:  # a fresh run: the SFT adapter and the start on validation
-            state["watch"] = watch_start(
-                cfg.optimizer, cfg.reward, h, watch, validate, adapter, state
-            )
+        # A fresh run scores the SFT adapter and the start on validation (essa.es.watch).
+        watch = open_watch(cfg.run, cfg.optimizer, cfg.reward, h, validate, adapter, state)
         if opt is None:
             opt = search_optimizer(cfg.optimizer, cfg.run.seed, adapter, searched_start(state))
         rows = cfg.optimizer.population_size * cfg.generation.samples_per_prompt
