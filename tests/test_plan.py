@@ -490,3 +490,16 @@ def test_a_budget_too_small_fails_before_sft_in_one_line(tmp_path: Path) -> None
     assert lines[-1].startswith("error: run.max_wall_seconds: 0.5 s holds"), res.stderr
     assert "Traceback" not in res.stderr
     assert not (run_dir / "sft_adapter").exists()  # nothing trained
+
+
+def test_the_checks_are_sized_on_the_validation_split_and_priced_before_the_search() -> None:
+    """The search's checks score validation: at most its items each, and the SFT adapter's and
+    the scaled start's validation passes before the search are priced with them."""
+    cfg = real_cfg()
+    costs = Costs(row=0.05, sft_step=1.5, spent=10)
+    on_test = make_plan(plan_inputs(cfg), costs, test_items=500, train_items=5000)
+    on_val = make_plan(plan_inputs(cfg), costs, test_items=500, train_items=5000, val_items=100)
+    assert on_test.check_items > 100 and on_val.check_items == 100
+    passes = on_val.checks + 2  # the SFT adapter and the scaled start (smollm2 starts scaled)
+    assert on_val.seconds["held-out"] == pytest.approx(passes * 100 * 0.05, abs=0.1)
+    assert "validation checks on 100 items" in on_val.lines()[0]

@@ -35,6 +35,7 @@ class Budget:
     prefill_token: float = 0.0  # the probe's, kept for the re-plan (the drift budget's forward)
     row: float = 0.0  # the last measured cost of a held-out row (the held-out checks' price)
     probe_row: float = 0.0  # the probe's cost of a row (base model, micro-batch of 16)
+    val_items: int | None = None  # the validation split's items (what the checks score)
 
     @classmethod
     def start(
@@ -55,6 +56,7 @@ class Budget:
             return cls(lengths=lengths)
         saved = h.run_dir / PLAN_NAME
         if resume and saved.is_file():
+            # Its plan is made: only a fresh run re-plans (and reads val_items).
             return cls.resumed(json.loads(saved.read_text()), lengths)
         with h.phase("budget probe"):
             probed = probe_costs(model, tokenizer, train_prompts, cfg, h.elapsed, lengths)
@@ -74,8 +76,10 @@ class Budget:
                 world_size=h.comm.world_size,
                 lengths=lengths,
                 done=("SFT",) if sft_done else (),
+                val_items=len(task.val),
             )
         budget = cls(plan, lengths, costs.sft_step, costs.prefill_token, costs.row, costs.row)
+        budget.val_items = len(task.val)
         budget.announce(h, "")
         return budget
 
@@ -200,6 +204,7 @@ class Budget:
             lengths=self.lengths,
             done=done,
             strict=False,
+            val_items=self.val_items,
         )
         planned = {k: first[k] if k in done else v for k, v in plan.seconds.items()}
         # The scaled start's prompts were fixed when it ran: a later re-plan keeps them.

@@ -190,7 +190,7 @@ class Plan:
     max_new_tokens: int
     sft_steps: int  # at most; SFT may stop earlier on its check or its time
     sft_seconds: float  # SFT's time limit
-    check_items: int  # held-out items of each check during the search
+    check_items: int  # validation items of each check during the search
     checks: int  # held-out checks during the search
     start_prompts: int  # the scaled start's training prompts (0: no scaled start)
     population: int  # candidates per generation
@@ -216,7 +216,7 @@ class Plan:
         )
         if self.sft_steps:  # a re-plan after SFT has none left to size
             sizes += f"; SFT up to {self.sft_steps} steps / {self.sft_seconds:.0f} s"
-        sizes += f"; held-out checks on {self.check_items} items"
+        sizes += f"; validation checks on {self.check_items} items"
         if self.start_prompts:
             sizes += f"; scaled start on {self.start_prompts} prompts"
         phases = ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
@@ -305,6 +305,7 @@ def make_plan(
     lengths: TaskLengths | None = None,
     done: Collection[str] = (),
     strict: bool = True,
+    val_items: int | None = None,
 ) -> Plan:
     """Size the phases of an ESSA run to ``run.max_wall_seconds`` (see the module docstring).
 
@@ -314,7 +315,7 @@ def make_plan(
     a UserError (before SFT); otherwise the smallest sizes are planned.
     """
     budget = float(cfg.run.max_wall_seconds or 0.0)
-    args = (cfg, costs, test_items, train_items, world_size, lengths, done)
+    args = (cfg, costs, test_items, train_items, world_size, lengths, done, val_items)
     plan = _sized(budget, *args)
     useful = min(USEFUL_GENERATIONS, cfg.run.generations)
     if strict and plan.generations < useful:
@@ -347,6 +348,7 @@ def _sized(
     world_size: int,
     lengths: TaskLengths | None,
     done: Collection[str],
+    val_items: int | None = None,
 ) -> Plan:
     from essa.es.start import SCALE_FACTORS, SCALE_PROMPTS
 
@@ -369,11 +371,15 @@ def _sized(
         if e.use_scale_baseline:  # the chosen factor's held-out pass, on the whole split
             start += test_items * row
     checks = cfg.run.generations // e.every if e.every else 0
-    check_items = test_items
+    # The checks score validation (essa.es.watch); None: as many items as the test split.
+    items = test_items if val_items is None else val_items
+    check_items = items
     if checks:
         fit = int(CHECKS_SHARE * budget / (checks * row))
-        check_items = min(test_items, max(MIN_CHECK_ITEMS, fit))
-    held_out = checks * check_items * row
+        check_items = min(items, max(MIN_CHECK_ITEMS, fit))
+    # With validation, the SFT adapter's and the scaled start's passes before the search too.
+    before = 0 if not val_items or "held-out baseline" in done else 1 + bool(start_prompts)
+    held_out = (checks + before) * check_items * row
     fixed = costs.spent + sft + baseline + start + held_out
     search = budget - fixed
 
