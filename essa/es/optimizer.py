@@ -137,6 +137,11 @@ def start_note(cfg: OptimizerConfig, scale: dict[str, Any] | None) -> str:
         return ""
     if scale is None:
         return "; the scale baseline failed, so the search starts at the SFT adapter"
+    if scale.get("validated") is False:  # essa.es.watch: no better than SFT on validation
+        return (
+            f"; the scaled start x{scale['factor']:g} did not beat the SFT adapter on "
+            "validation, so the search starts at the SFT adapter"
+        )
     return f"; the search starts at the SFT adapter x{scale['factor']:g} (the scale baseline)"
 
 

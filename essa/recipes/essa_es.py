@@ -152,7 +152,7 @@ def run(
             f"ESSA: D={adapter.dim} singular-value offsets, population "
             f"{cfg.optimizer.population_size}, {cfg.data.batch_size} prompts/generation, "
             f"held-out {h.metric_name} baseline {state['baseline_accuracy']:.3f}"
-            + start_note(cfg.optimizer, searched_start(state))
+            + start_note(cfg.optimizer, state.get("scale_baseline"))
         )
         for step in () if watch.stopped else h.steps(opt.generation, show=_shown):
             g = step.index
