@@ -159,6 +159,12 @@ def test_a_signal_keeps_the_run_going_within_its_patience() -> None:
     assert _check_after(3, (0.5, 0.6, 0.4, 0.7)) is None
 
 
+def test_no_signal_stop_waits_for_a_full_window() -> None:
+    """Three zero-signal generations of a four-generation window: too few to call it."""
+    assert _check_after(5, (0.0, 0.0, 0.0)) is None
+    assert _check_after(5, (0.0, 0.0, 0.0, 0.0)) is not None
+
+
 @pytest.mark.parametrize(
     ("score", "dense", "stops"),
     [(0.0, False, True), (0.0, True, False), (1.0, False, True), (1.0, True, True),

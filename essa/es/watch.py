@@ -138,7 +138,9 @@ class Watch:
         s, cfg = self.state, self.settings
         if s["since_best"] == 0:
             return None
-        median = self.median_signal()
+        # The signal stop reads a full window: a median of one or two generations is noise.
+        full = len(s["signals"]) >= cfg.signal_window
+        median = self.median_signal() if full else None
         reason = None
         if cfg.patience and s["since_best"] >= cfg.patience:
             reason = (
@@ -148,8 +150,7 @@ class Watch:
         elif cfg.min_signal > 0 and median is not None and median < cfg.min_signal:
             reason = (
                 f"no new best validation score and no signal: the median split-half "
-                f"reliability of the last {len(s['signals'][-cfg.signal_window :])} "
-                f"generations is {median:.2f} (run.min_signal {cfg.min_signal:g})"
+                f"reliability of the last {cfg.signal_window} generations is {median:.2f} (run.min_signal {cfg.min_signal:g})"
             )
         if reason is not None:
             s["stop"] = f"stopping after generation {generation + 1}: {reason}"
