@@ -10,10 +10,14 @@ The stream is ``SeedSequence([seed, tag, *keys])``, ``tag`` the domain's number 
 always takes the same number of keys: numpy pads entropy shorter than four words with zeros,
 so ``[s, t]`` and ``[s, t, 0]`` are one stream.
 
-Tags 1-31 are the derivations the streams had before this module, and ``cma_es.samples``'s 0
-makes ``[seed, 0]``, which numpy's padding turns into the bare ``SeedSequence(seed)`` that
-CMA-ES always drew from: tests and archived runs pin their draws (the demo's adapter bytes,
+Tags 1-31 are the derivations the streams had before this module, and tag 0 makes
+``[seed, 0]``, which numpy's padding turns into the bare ``SeedSequence(seed)`` the first ES
+optimizer always drew from: tests and archived runs pin their draws (the demo's adapter bytes,
 bit-exact resumes, the selection order). Newer streams take tags from 101 on.
+
+An ES optimizer names its own streams and tags in its module; the optimizer registry
+(:func:`essa.optimizers.register`) adds them here with :func:`register_domains`, which refuses
+a name or tag that another stream holds.
 
 Sampled decoding has its own counter-based streams (:mod:`essa.backends.sampling`), seeded per
 call by the recipes (ESSA: ``run.seed * 100_003 + generation``; GRPO and DPO: from their
@@ -22,10 +26,11 @@ call by the recipes (ESSA: ``run.seed * 100_003 + generation``; GRPO and DPO: fr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 DOMAINS: dict[str, int] = {
-    "cma_es.samples": 0,  # CMA-ES's candidates (keys: none; the bare seed, see above)
     "sft.batches": 1,  # SFT example order (LoRA, full and LISA)
     "es.minibatch": 2,  # ESSA's shared prompts of a generation (keys: generation)
     "es.scale_baseline": 3,  # the no-search baseline's training prompts
@@ -41,7 +46,6 @@ DOMAINS: dict[str, int] = {
     "scalebio.batches": 14,  # keys: step, stream
     "selection.refill": 31,  # GRESO's refill order and skips (keys: generation, or step, round)
     "dpo.file_pairs": 101,  # pairs drawn from dpo.pairs (keys: step)
-    "openai_es.noise": 102,  # pair i's noise in generation g (keys: generation, pair)
     "cure.critical": 103,  # critical-token choice (seed: the round's decoding seed)
     "cure.branches": 104,  # the branches' decoding seed (seed: the round's decoding seed)
     "reward.random": 105,  # the random reward's Bernoulli draws (keys: an item's draw key)
@@ -50,6 +54,22 @@ DOMAINS: dict[str, int] = {
     "tools.turn": 108,  # a GRPO rollout's turns after the first (keys: the turn)
     "es.signal": 109,  # the signal's random half-splits of a generation's prompts (keys: generation)
 }
+
+
+def register_domains(domains: Mapping[str, int]) -> None:
+    """Add a component's own streams (domain -> tag); registering the same pair again is a no-op.
+
+    >>> register_domains({"es.minibatch": 2})
+    """
+    taken = {tag: name for name, tag in DOMAINS.items()}
+    for name, tag in domains.items():
+        if DOMAINS.get(name, tag) != tag or taken.get(tag, name) != name:
+            raise ValueError(
+                f"seed domain {name!r} -> {tag}: the name or the tag is taken "
+                f"({name!r} -> {DOMAINS.get(name)}, tag {tag} -> {taken.get(tag)!r})"
+            )
+        taken[tag] = name
+    DOMAINS.update(domains)
 
 
 def seed_sequence(seed: int, domain: str, *keys: int) -> np.random.SeedSequence:

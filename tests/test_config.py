@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from essa.config import Config, ConfigError, dump_config, load_config
 from essa.data.build_demo import CONFIG_DEFAULTS as DEMO_DEFAULTS
@@ -71,7 +73,7 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("run:\n  show_progress: 1\n", ":2: run.show_progress: expected true/false"),
         (
             "optimizer:\n  name: adam\n",
-            ":2: optimizer.name: expected one of 'cma_es' | 'openai_es'",
+            ":2: optimizer.name: expected one of 'cma_es' | 'openai_es' | 'snes', got 'adam'",
         ),
         ("adapter:\n  target_modules: q_proj\n", ":2: adapter.target_modules: expected a list"),
         ("model: 3\n", ":1: model: expected a mapping"),
@@ -93,8 +95,16 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("data:\n  train_size: 0\n", ":2: data.train_size: must be >= 1 or null, got 0"),
         (
             "optimizer:\n  name: openai_es\n  escape_flat_reward: true\n",
-            ":3: optimizer.escape_flat_reward: applies to cma_es without layerwise",
+            ":3: optimizer.escape_flat_reward: applies to cma_es, not openai_es (openai_es's own "
+            "keys: lr, step)",
         ),
+        (
+            "optimizer:\n  layerwise:\n    active_layers: 1\n  escape_flat_reward: true\n",
+            ":4: optimizer.escape_flat_reward: applies to cma_es without layerwise",
+        ),
+        ("optimizer:\n  lr: 0.5\n", ":2: optimizer.lr: applies to openai_es, not cma_es"),
+        ("optimizer:\n  name: snes\n  eta_sigma: 0\n", ":3: optimizer.eta_sigma: must be > 0"),
+        ("optimizer:\n  mirrored: true\n  population_size: 5\n", "mirrored pairs need an even"),
         (
             "adapter:\n  rank: 8\n  alpha: 0.1\n",
             ":3: adapter.alpha: 0.1 with adapter.rank=8 selects zero",
@@ -143,6 +153,33 @@ def test_dump_round_trip(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, dump_config(cfg))) == cfg
 
 
+@pytest.mark.parametrize("name", ["cma_es", "openai_es", "snes"])
+def test_optimizer_keys_sit_flat_and_round_trip(tmp_path: Path, name: str) -> None:
+    """The chosen optimizer's own keys are read flat, dumped flat, and load back equal."""
+    cfg = load_config(None, [f"optimizer.name={name}", "optimizer.population_size=8"])
+    assert load_config(write(tmp_path, dump_config(cfg))) == cfg
+    section = yaml.safe_load(dump_config(cfg))["optimizer"]
+    assert set(section) - {"name", "population_size", "sigma0", "use_relative_steps", "start",
+                           "layerwise", "drift_budget"} == {
+        f.name for f in dataclasses.fields(cfg.optimizer.options)
+    }  # fmt: skip
+
+
+def test_a_config_listing_every_optimizers_keys_at_their_defaults_loads(tmp_path: Path) -> None:
+    """Other optimizers' keys are ignored at their defaults; set to anything else they fail."""
+    every = (
+        "optimizer:\n  name: openai_es\n  lr: 0.3\n  step: sgd\n  variant: auto\n"
+        "  sep_above_dim: 2000\n  mirrored: false\n  escape_flat_reward: false\n"
+        "  eta_mu: 1.0\n  eta_sigma: null\n"
+    )
+    o = load_config(write(tmp_path, every)).optimizer
+    assert (o.name, o.options.kwargs()) == ("openai_es", {"lr": 0.3, "step": "sgd"})
+    with pytest.raises(ConfigError, match=r":3: optimizer.variant: applies to cma_es, not snes"):
+        load_config(write(tmp_path, "optimizer:\n  name: snes\n  variant: full\n"))
+    with pytest.raises(ConfigError, match=r"unknown key \(known: .*, eta_mu, eta_sigma, start"):
+        load_config(write(tmp_path, "optimizer:\n  name: snes\n  popsize: 8\n"))
+
+
 def test_config_is_frozen() -> None:
     cfg = Config()
     with pytest.raises(AttributeError):
@@ -161,7 +198,7 @@ def test_cli_validate_shipped_and_bad(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert res.stderr.strip() == (
         f"error: {bad}:2: optimizer.popsize: unknown key (known: name, population_size, sigma0, "
-        "use_relative_steps, variant, sep_above_dim, mirrored, escape_flat_reward, start, lr, step, "
+        "use_relative_steps, variant, sep_above_dim, mirrored, escape_flat_reward, start, "
         "layerwise, drift_budget)"
     )
 

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from essa.cli import guarded
 from essa.config import Config, ConfigError, DataConfig, load_config, to_dict
+from essa.optimizers import OPTIMIZERS
 from tests.cli_runner import essa
 
 FUZZ = settings(
@@ -195,6 +196,8 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "optimizer.sigma0": POSITIVE,
     "optimizer.sep_above_dim": NONNEG,
     "optimizer.lr": POSITIVE,
+    "optimizer.eta_mu": POSITIVE,
+    "optimizer.eta_sigma": POSITIVE,
     "optimizer.layerwise.active_layers": AT_LEAST_1,
     "optimizer.layerwise.interval": AT_LEAST_1,
     "data.selection.explore_init": FRACTION,
@@ -292,14 +295,22 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "optimizer.drift_budget.tokens": AT_LEAST_1,
     "optimizer.drift_budget.anchor": NONNEG,
 }  # fmt: skip
+# The ES optimizers' own keys, written flat in the optimizer section: optimizer name -> its options.
+OPTION_OWNERS = {name: spec.options for name, spec in OPTIMIZERS.items()}
 UNBOUNDED = {"grpo.replay.min_reward"}  # a reward threshold: any real number is meaningful
 
 
 def numeric_fields(cls: type = Config, prefix: str = "") -> dict[str, type]:
-    """Every int or float leaf of the schema (optional ones included): dotted key -> int/float."""
+    """Every int or float leaf of the schema (optional ones included): dotted key -> int/float.
+    A ``flat`` field (the ES optimizers' own keys) contributes every registered optimizer's."""
     out: dict[str, type] = {}
+    flat = {f.name for f in dataclasses.fields(cls) if "flat" in f.metadata}
     for name, tp in typing.get_type_hints(cls).items():
         key = f"{prefix}{name}"
+        if name in flat:
+            for options in OPTION_OWNERS.values():
+                out.update(numeric_fields(options, prefix))
+            continue
         if dataclasses.is_dataclass(tp):
             out.update(numeric_fields(tp, f"{key}."))
             continue
@@ -343,6 +354,9 @@ def test_out_of_range_numbers_are_refused_naming_key_and_file(case: tuple[str, f
     for section in sections:
         node = node.setdefault(section, {})
     node[name] = value
+    owners = [n for n, options in OPTION_OWNERS.items() if name in numeric_fields(options)]
+    if sections == ["optimizer"] and owners:  # an optimizer's own key: that optimizer chosen
+        node["name"] = owners[0]
     path = config_file(yaml.safe_dump(data))
     try:
         with pytest.raises(ConfigError) as err:

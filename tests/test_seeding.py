@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import essa.optimizers  # noqa: F401  (registers the ES optimizers' own streams in seeding)
 from essa import seeding
 from tests.test_mpi import assert_same_adapter, needs_mpi, small, train, trajectory
 
@@ -35,6 +36,7 @@ ARITY = {
     "selection.refill": 1,
     "dpo.file_pairs": 1,
     "openai_es.noise": 2,
+    "snes.samples": 1,
     "cure.critical": 0,
     "cure.branches": 0,
     "reward.random": 6,  # an ESSA item's draw key: (seed, site, generation, prompt, cand., sample)

@@ -1,12 +1,56 @@
-"""The ES search: section ``optimizer`` (CMA-ES or OpenAI-ES over the singular values, and
-layerwise ES) with its range checks."""
+"""The ES search: section ``optimizer`` (an ES optimizer of essa.optimizers' registry over the
+singular values, and layerwise ES) with its range checks.
+
+The keys every optimizer shares are :class:`OptimizerConfig`'s fields; the chosen optimizer's
+own keys (its :class:`~essa.optimizers.EsOptions` dataclass) sit flat in the same section and
+are read against that dataclass (:func:`flat_options`), so a new optimizer brings its keys
+without a line in this module.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 from essa.config.errors import ConfigError
+from essa.optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, EsOptions, optimizer_spec
+
+
+def _names() -> str:
+    return " | ".join(repr(name) for name in sorted(OPTIMIZERS))
+
+
+def flat_options(section: Mapping[str, Any]) -> tuple[type[EsOptions], set[str]]:
+    """For the loader, from the raw ``optimizer`` section: the chosen optimizer's options
+    dataclass, whose keys the section holds flat, and the keys of other optimizers it accepts and
+    ignores: those at their defaults, so a config that lists every optimizer's keys still loads.
+    A key of another optimizer set to anything else is refused, naming its optimizer."""
+    name = section.get("name", DEFAULT_OPTIMIZER)
+    if not isinstance(name, str) or name not in OPTIMIZERS:
+        raise ConfigError(f"optimizer.name: expected one of {_names()}, got {name!r}")
+    own = [f.name for f in fields(OPTIMIZERS[name].options)]
+    ignored = set()
+    for key, value in section.items():
+        owners = [s for s in OPTIMIZERS.values() if key in _keys(s.options)]
+        if key in own or not owners:
+            continue
+        if any(value == getattr(s.options(), key) for s in owners):
+            ignored.add(key)
+            continue
+        raise ConfigError(
+            f"optimizer.{key}: applies to {' and '.join(s.name for s in owners)}, not {name} "
+            f"({name}'s own keys: {', '.join(own) or 'none'})"
+        )
+    return OPTIMIZERS[name].options, ignored
+
+
+def _keys(options: type[EsOptions]) -> set[str]:
+    return {f.name for f in fields(options)}
+
+
+def _default_options() -> EsOptions:
+    return optimizer_spec(DEFAULT_OPTIMIZER).options()
 
 
 @dataclass(frozen=True)
@@ -40,53 +84,50 @@ class DriftBudgetConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    name: Literal["cma_es", "openai_es"] = "cma_es"
+    name: str = DEFAULT_OPTIMIZER  # a registered ES optimizer (essa.optimizers.OPTIMIZERS)
     population_size: int = 16  # lambda; the paper's default is 96
     # Initial step, in units of each SFT singular value when use_relative_steps: 0.1 (spec §4)
     # keeps a real model's answers intact.
     sigma0: float = 0.1
     use_relative_steps: bool = True  # scale each coordinate by its SFT singular value
-    variant: Literal["auto", "full", "sep"] = "auto"  # cma_es covariance
-    sep_above_dim: int = 2000  # cma_es: diagonal covariance above this dimension when auto
-    mirrored: bool = False  # cma_es: antithetic candidate pairs (openai_es always samples them)
-    # cma_es: when the task reward ties the top 70% of the population (the reference tie-breaker
-    # alone ranks them), multiply sigma by exp(0.2 + cs/damps), about 1.22: Hansen's escape from
-    # flat fitness, so candidates that all answer alike are pushed apart until the reward ranks.
-    escape_flat_reward: bool = False
+    # The optimizer's own keys, written flat in the section (its EsOptions dataclass, in its
+    # module of essa.optimizers); keys left out take its defaults.
+    options: EsOptions = field(default_factory=_default_options, metadata={"flat": flat_options})
     # Where the search starts: the SFT adapter (offsets 0), or the no-search baseline's best
     # uniformly scaled SFT adapter (runs the scale baseline; its factor chosen on training
     # prompts), so the search spends no generations on the one direction scaling already finds.
     start: Literal["sft", "scale_baseline"] = "sft"
-    lr: float = 0.1  # openai_es step size
-    step: Literal["adam", "sgd"] = "adam"  # openai_es step rule
     layerwise: LayerwiseConfig = field(default_factory=LayerwiseConfig)
     drift_budget: DriftBudgetConfig = field(default_factory=DriftBudgetConfig)
 
+    def __post_init__(self) -> None:
+        # Options left at another optimizer's defaults (the field's default, or a replace() of
+        # the name) stand for "none given": the named optimizer's defaults.
+        spec = OPTIMIZERS.get(self.name) if isinstance(self.name, str) else None
+        given = self.options
+        if spec is not None and not isinstance(given, spec.options) and given == type(given)():
+            object.__setattr__(self, "options", spec.options())
+
 
 def check_optimizer(o: OptimizerConfig) -> None:
-    for key, value in (("optimizer.sigma0", o.sigma0), ("optimizer.lr", o.lr)):
-        if value <= 0:
-            raise ConfigError(f"{key}: must be > 0, got {value}")
-    if o.sep_above_dim < 0:
-        raise ConfigError(f"optimizer.sep_above_dim: must be >= 0, got {o.sep_above_dim}")
+    if o.name not in OPTIMIZERS:
+        raise ConfigError(f"optimizer.name: expected one of {_names()}, got {o.name!r}")
+    if o.sigma0 <= 0:
+        raise ConfigError(f"optimizer.sigma0: must be > 0, got {o.sigma0}")
     if o.population_size < 2:
         raise ConfigError(
             f"optimizer.population_size: must be >= 2 (ES ranks candidates), got "
             f"{o.population_size}"
         )
-    if o.mirrored and o.name != "cma_es":
-        raise ConfigError("optimizer.mirrored: applies to cma_es (openai_es is always antithetic)")
-    if o.escape_flat_reward and (o.name != "cma_es" or o.layerwise.active_layers is not None):
+    own = OPTIMIZERS[o.name].options
+    if not isinstance(o.options, own):
         raise ConfigError(
-            "optimizer.escape_flat_reward: applies to cma_es without layerwise (it widens "
-            "CMA-ES's step size)"
+            f"optimizer.name: {o.name} takes {own.__name__}, got {type(o.options).__name__}"
         )
-    if o.mirrored and o.population_size % 2:
-        raise ConfigError("optimizer.population_size: mirrored pairs need an even population")
-    if o.name == "openai_es" and o.population_size % 2:
-        raise ConfigError(
-            "optimizer.population_size: openai_es needs an even population (antithetic pairs)"
-        )
+    try:
+        o.options.check(o.population_size, layerwise=o.layerwise.active_layers is not None)
+    except ValueError as err:  # "KEY: why", KEY in this section
+        raise ConfigError(f"optimizer.{err}") from None
 
 
 def check_layerwise(w: LayerwiseConfig) -> None:

@@ -113,11 +113,19 @@ def _build(cls: type, data: Any, prefix: str, where: typing.Callable[[str], str]
         )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    flat, flat_cls, ignored = _flat_part(cls, data, where)
+    flat_keys = [f.name for f in dataclasses.fields(flat_cls)] if flat_cls else []
+    flat_data: dict[str, Any] = {}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
-        if key not in fields:
-            known = ", ".join(fields)
+        if key in ignored:
+            continue
+        if key in flat_keys and key not in fields:
+            flat_data[key] = value
+            continue
+        if key not in fields or key == flat:
+            known = ", ".join(k for name in fields for k in (flat_keys if name == flat else [name]))
             raise ConfigError(f"{where(path)}: {path}: unknown key (known: {known})")
         tp = hints[key]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
@@ -127,7 +135,25 @@ def _build(cls: type, data: Any, prefix: str, where: typing.Callable[[str], str]
             kwargs[key] = _coerce(value, tp, path)
         except ConfigError as err:
             raise ConfigError(f"{where(path)}: {err}") from None
+    if flat is not None and flat_cls is not None:
+        kwargs[flat] = _build(flat_cls, flat_data, prefix, where)
     return cls(**kwargs)
+
+
+def _flat_part(
+    cls: type, data: dict[str, Any], where: typing.Callable[[str], str]
+) -> tuple[str | None, type | None, set[str]]:
+    """A field whose metadata ``flat`` is a function of the section's data (an ES optimizer's
+    options: essa.config.es.flat_options) holds keys written flat in the section: (its name, the
+    dataclass those keys build, keys to accept and ignore); (None, None, set()) without one."""
+    for f in dataclasses.fields(cls):
+        if "flat" in f.metadata:
+            try:
+                flat_cls, ignored = f.metadata["flat"](data)
+            except ConfigError as err:  # "section.key: why"
+                raise ConfigError(f"{where(str(err).split(':', 1)[0])}: {err}") from None
+            return f.name, flat_cls, ignored
+    return None, None, set()
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -259,16 +285,27 @@ def key_location(path: str | Path | None, overrides: typing.Sequence[str], key: 
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """Plain-data view (tuples as lists) suitable for YAML/JSON."""
+    """Plain-data view (tuples as lists) suitable for YAML/JSON; a ``flat`` field's keys are
+    written into its section, as the loader reads them."""
 
     def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            out: dict[str, Any] = {}
+            for f in dataclasses.fields(v):
+                value = plain(getattr(v, f.name))
+                if "flat" in f.metadata:
+                    out.update(value)
+                else:
+                    out[f.name] = value
+            return out
         if isinstance(v, tuple | list):
             return [plain(x) for x in v]
         if isinstance(v, dict):
             return {k: plain(x) for k, x in v.items()}
         return v
 
-    return plain(dataclasses.asdict(cfg))
+    result: dict[str, Any] = plain(cfg)
+    return result
 
 
 def dump_config(cfg: Config) -> str:

@@ -33,11 +33,7 @@ def make_es_optimizer(
     from essa.optimizers import make_optimizer
     from essa.optimizers.subspace import Subspace
 
-    options: dict[str, Any] = (
-        {"variant": o.variant, "sep_above_dim": o.sep_above_dim, "mirrored": o.mirrored}
-        if o.name == "cma_es"
-        else {"lr": o.lr, "step": o.step}
-    )
+    options = o.options.kwargs()  # the optimizer's own constructor arguments
     stds = adapter.stds() if o.use_relative_steps else None
     free = None if stds is None else adapter.searchable()  # (D,) bool
     if free is not None and free.all():
@@ -152,15 +148,8 @@ def tell(
     fitness: Fitness,
     pool: dict[str, Any],
 ) -> dict[str, float]:
-    """opt.tell; under optimizer.escape_flat_reward, a generation whose task reward (before the
-    tie-breaker) ranked nothing widens CMA-ES's sigma (config admits it on plain cma_es only)."""
-    if not (cfg.escape_flat_reward and pool.get("reward_flat")):
-        return opt.tell(population, fitness)
-    from essa.optimizers.cma_es import CMAES
-    from essa.optimizers.subspace import Subspace
-
-    if isinstance(opt, Subspace):  # zero singular values held fixed around the CMA-ES
-        assert isinstance(opt.inner, CMAES)
-        return opt.tell(population, fitness, flat=True)
-    assert isinstance(opt, CMAES)
-    return opt.tell(population, fitness, flat=True)
+    """opt.tell with the optimizer's own arguments for this generation
+    (``EsOptions.tell_kwargs``: e.g. a step size widened after a generation whose task reward,
+    before the tie-breaker, ranked nothing)."""
+    extra = cfg.options.tell_kwargs(reward_flat=bool(pool.get("reward_flat")))
+    return opt.tell(population, fitness, **extra)

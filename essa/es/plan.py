@@ -434,7 +434,7 @@ def generation_sizes(
     """(candidates, prompts) per generation, largest first, within the stated bounds: prompts
     down to :data:`MIN_PROMPT_SHARE` of ``data.batch_size`` first, then candidates down to
     :data:`MIN_POPULATION_SHARE` of the population (even where pairs are antithetic)."""
-    step = 2 if (o.mirrored or o.name == "openai_es") else 1
+    step = o.options.pair_size()  # candidates drawn together (antithetic pairs stay whole)
     floor_prompts = prompt_floor(prompts, batch_size)
     floor_population = max(step, math.ceil(MIN_POPULATION_SHARE * population / step) * step)
     floor_population = min(floor_population, population)

@@ -12,10 +12,12 @@ Conventions for all optimizers in this package:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -81,6 +83,54 @@ class Optimizer(Protocol):
     def checksum(self) -> str:
         """sha256 hex digest of the state, compared across MPI ranks."""
         ...
+
+
+# A factory takes (dim, *, population_size, sigma0, seed, stds, x0, **options) and builds an
+# Optimizer; ``options`` are its own keyword arguments (``EsOptions.kwargs``).
+OptimizerFactory = Callable[..., Optimizer]
+
+
+@dataclass(frozen=True)
+class EsOptions:
+    """An ES optimizer's own config keys, as a small frozen dataclass subclassing this one; every
+    field has a default. The config's ``optimizer`` section holds them flat, next to the keys all
+    optimizers share (name, population_size, sigma0, ...).
+
+    The methods below are what the rest of essa asks about the options; an optimizer overrides
+    those where it differs from these defaults (no checks, single candidates, every field a
+    constructor argument, nothing extra for ``tell``).
+    """
+
+    def check(self, population_size: int, *, layerwise: bool) -> None:
+        """Raise ValueError("KEY: why") on values the optimizer cannot run with; KEY is an option's
+        name or a shared key's (``population_size``), which the config prefixes with its section.
+        ``layerwise``: the optimizer runs inside layerwise ES (essa.optimizers.layerwise)."""
+
+    def pair_size(self) -> int:
+        """Candidates that are drawn together: 2 where pairs are antithetic (m +- sigma z), else 1.
+        A population that has to shrink (essa.es.plan) shrinks by whole pairs."""
+        return 1
+
+    def kwargs(self) -> dict[str, Any]:
+        """The optimizer's constructor arguments these options set."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def tell_kwargs(self, *, reward_flat: bool) -> dict[str, Any]:
+        """Extra arguments of one generation's ``tell``; ``reward_flat``: the generation's task
+        reward (before any tie-breaker) ranked no candidate above another."""
+        return {}
+
+
+@dataclass(frozen=True)
+class EsOptimizerSpec:
+    """A registry entry (essa.optimizers.register): all that the rest of essa asks about an ES
+    optimizer, so that the optimizer is one module and one registry line."""
+
+    name: str  # ``optimizer.name`` in the config; the ``optimizer`` field of its state_dict
+    factory: OptimizerFactory  # (dim, *, population_size, sigma0, seed, stds, x0, **kwargs)
+    options: type[EsOptions]  # its config keys; the defaults are the config's defaults
+    # Its random streams: essa.seeding domain -> tag (the tag fixes the stream; keep it stable).
+    seed_domains: Mapping[str, int]
 
 
 def check_common_args(dim: int, population_size: int, sigma0: float, seed: int) -> None:

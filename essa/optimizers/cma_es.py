@@ -58,6 +58,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -65,6 +66,8 @@ import numpy as np
 import essa.seeding as seeding
 from essa.optimizers.base import (
     BestSoFar,
+    EsOptimizerSpec,
+    EsOptions,
     as_fitness,
     as_vector,
     canonical_json,
@@ -82,6 +85,10 @@ from essa.types import AdapterVector, Fitness, Population
 
 Variant = Literal["auto", "full", "sep"]
 STATE_FORMAT = 1
+# The candidates' stream (keys: none). Tag 0 makes SeedSequence([seed, 0]), which numpy pads to
+# the bare SeedSequence(seed) CMA-ES drew from before essa.seeding: the demo's adapter bytes and
+# archived runs rest on it.
+SAMPLES = "cma_es.samples"
 
 # Every pycma stopping criterion off: quantised accuracy plateaus, so runs are budget-driven.
 _NO_TERMINATION: dict[str, Any] = {
@@ -198,7 +205,7 @@ class CMAES(BestSoFar):
             warnings.filterwarnings("ignore", message="Could not import matplotlib.pyplot")
             import cma
 
-        rng = seeding.rng(self._config["seed"], "cma_es.samples")
+        rng = seeding.rng(self._config["seed"], SAMPLES)
 
         def randn(*shape: int) -> np.ndarray:
             return rng.standard_normal(shape)
@@ -386,3 +393,46 @@ def _cma_version() -> str:
     import cma
 
     return str(cma.__version__)
+
+
+@dataclass(frozen=True)
+class CMAESOptions(EsOptions):
+    """CMA-ES's own keys of the config's ``optimizer`` section."""
+
+    variant: Variant = "auto"  # covariance: full, sep (diagonal), or chosen by sep_above_dim
+    sep_above_dim: int = 2000  # auto: diagonal covariance above this dimension
+    mirrored: bool = False  # antithetic candidate pairs m +- sigma z
+    # When the task reward ties the top 70% of the population (the reference tie-breaker alone
+    # ranks them), multiply sigma by exp(0.2 + cs/damps), about 1.22: Hansen's escape from flat
+    # fitness, so candidates that all answer alike are pushed apart until the reward ranks.
+    escape_flat_reward: bool = False
+
+    def check(self, population_size: int, *, layerwise: bool) -> None:
+        if self.sep_above_dim < 0:
+            raise ValueError(f"sep_above_dim: must be >= 0, got {self.sep_above_dim}")
+        if self.escape_flat_reward and layerwise:
+            raise ValueError(
+                "escape_flat_reward: applies to cma_es without layerwise (it widens CMA-ES's "
+                "step size)"
+            )
+        if self.mirrored and population_size % 2:
+            raise ValueError("population_size: mirrored pairs need an even population")
+
+    def pair_size(self) -> int:
+        return 2 if self.mirrored else 1
+
+    def kwargs(self) -> dict[str, Any]:
+        # escape_flat_reward is a tell() argument per generation (tell_kwargs), not a constructor's.
+        return {
+            "variant": self.variant,
+            "sep_above_dim": self.sep_above_dim,
+            "mirrored": self.mirrored,
+        }
+
+    def tell_kwargs(self, *, reward_flat: bool) -> dict[str, Any]:
+        return {"flat": True} if self.escape_flat_reward and reward_flat else {}
+
+
+SPEC = EsOptimizerSpec(
+    name=CMAES.name, factory=CMAES, options=CMAESOptions, seed_domains={SAMPLES: 0}
+)

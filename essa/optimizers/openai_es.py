@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -33,6 +34,8 @@ import numpy as np
 import essa.seeding as seeding
 from essa.optimizers.base import (
     BestSoFar,
+    EsOptimizerSpec,
+    EsOptions,
     as_fitness,
     as_vector,
     canonical_json,
@@ -50,6 +53,7 @@ from essa.types import AdapterVector, Fitness, Population, Seed
 StepRule = Literal["adam", "sgd"]
 Shaping = Literal["centered_ranks", "z_score"]
 STATE_FORMAT = 1
+NOISE = "openai_es.noise"  # pair i's noise in generation g (keys: generation, pair)
 _SHAPINGS = {"centered_ranks": centered_ranks, "z_score": z_score}
 
 
@@ -60,7 +64,7 @@ def pair_noise(seed: Seed, generation: int, n_pairs: int, dim: int) -> np.ndarra
     >>> pair_noise(0, 3, 2, 4).shape
     (2, 4)
     """
-    rows = (seeding.rng(seed, "openai_es.noise", generation, i) for i in range(n_pairs))
+    rows = (seeding.rng(seed, NOISE, generation, i) for i in range(n_pairs))
     return np.stack([row.standard_normal(dim) for row in rows])
 
 
@@ -270,3 +274,27 @@ class OpenAIES(BestSoFar):
     def checksum(self) -> str:
         """sha256 of the canonical JSON state (floats in shortest round-trip form)."""
         return sha256_hex(canonical_json(self.state_dict()).encode())
+
+
+@dataclass(frozen=True)
+class OpenAIESOptions(EsOptions):
+    """OpenAI-ES's own keys of the config's ``optimizer`` section."""
+
+    lr: float = 0.1  # Adam step size / SGD learning rate
+    step: StepRule = "adam"  # step rule applied to -g + l2coeff * z
+
+    def check(self, population_size: int, *, layerwise: bool) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr: must be > 0, got {self.lr}")
+        if population_size % 2:
+            raise ValueError(
+                "population_size: openai_es needs an even population (antithetic pairs)"
+            )
+
+    def pair_size(self) -> int:
+        return 2  # every candidate has its mirror image
+
+
+SPEC = EsOptimizerSpec(
+    name=OpenAIES.name, factory=OpenAIES, options=OpenAIESOptions, seed_domains={NOISE: 102}
+)
