@@ -7,11 +7,31 @@ import no torch" must hold for every line that can run, not only the module head
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+
+from essa import seeding
+from essa.optimizers import OPTIMIZERS, EsOptimizerSpec, EsOptions, register
+from essa.optimizers.base import (
+    BestSoFar,
+    as_fitness,
+    as_vector,
+    canonical_json,
+    check_common_args,
+    check_population,
+    check_same_config,
+    check_state_header,
+    fitness_metrics,
+    sha256_hex,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "essa"
@@ -249,3 +269,137 @@ def test_mypy_passes_on_the_package() -> None:
         [sys.executable, "-m", "mypy", "essa"], cwd=ROOT, capture_output=True, text=True
     )
     assert res.returncode == 0, (res.stdout + res.stderr)[-7000:]
+
+
+# ------------------------------------------------------------------ an ES optimizer is one module
+
+HILL_SAMPLES = "toy_hill.samples"
+
+
+@dataclass(frozen=True)
+class HillOptions(EsOptions):
+    """The toy's one config key, ``optimizer.step``."""
+
+    step: float = 1.0  # candidates' spread, in units of sigma0
+
+    def check(self, population_size: int, *, layerwise: bool) -> None:
+        if self.step <= 0:
+            raise ValueError(f"step: must be > 0, got {self.step}")
+
+
+class Hill(BestSoFar):
+    """A toy ES defined outside essa: candidates scattered around the mean; the mean jumps to
+    the generation's best finite candidate (NaN = failed, never chosen)."""
+
+    name = "toy_hill"
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        population_size: int,
+        sigma0: float,
+        seed: int,
+        stds: np.ndarray | None = None,
+        x0: np.ndarray | None = None,
+        step: float = 1.0,
+    ) -> None:
+        check_common_args(dim, population_size, sigma0, seed)
+        self._dim, self._population_size, self._seed = dim, population_size, seed
+        self._spread = sigma0 * step * (np.ones(dim) if stds is None else np.asarray(stds))
+        self._mean = np.zeros(dim) if x0 is None else as_vector(x0, dim, "x0")
+        self._config = {"dim": dim, "population_size": population_size, "seed": seed}
+        self._generation = 0
+
+    dim = property(lambda self: self._dim)
+    population_size = property(lambda self: self._population_size)
+    mean = property(lambda self: self._mean.copy())
+    sigma = property(lambda self: float(self._spread.mean()))
+    generation = property(lambda self: self._generation)
+
+    def ask(self) -> np.ndarray:
+        rng = seeding.rng(self._seed, HILL_SAMPLES, self._generation)  # same on every rank
+        return self._mean + self._spread * rng.standard_normal((self._population_size, self._dim))
+
+    def tell(self, population: np.ndarray, fitness: np.ndarray) -> dict[str, float]:
+        fitness = as_fitness(fitness, self._population_size)
+        check_population(population, self.ask())
+        if not np.all(np.isnan(fitness)):
+            self._update_best(population, fitness)
+            self._mean = population[int(np.nanargmax(fitness))].copy()
+        self._generation += 1
+        return {**fitness_metrics(fitness), "sigma": self.sigma}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.name,
+            "format": 1,
+            "config": self._config,
+            "generation": self._generation,
+            "mean": self._mean.tolist(),
+            **self._best_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_state_header(state, self.name, 1)
+        check_same_config(state["config"], self._config, self.name)
+        self._generation = int(state["generation"])
+        self._mean = as_vector(state["mean"], self._dim, "mean")
+        self._load_best(state)
+
+    def checksum(self) -> str:
+        return sha256_hex(canonical_json(self.state_dict()).encode())
+
+
+@pytest.fixture
+def hill() -> Iterator[EsOptimizerSpec]:
+    """The toy registered through the public registry, and taken out again afterwards."""
+    spec = EsOptimizerSpec(
+        name=Hill.name, factory=Hill, options=HillOptions, seed_domains={HILL_SAMPLES: 9001}
+    )
+    register(spec)
+    try:
+        yield spec
+    finally:
+        OPTIMIZERS.pop(spec.name)
+        seeding.DOMAINS.pop(HILL_SAMPLES)
+
+
+@pytest.mark.slow
+def test_an_optimizer_registered_outside_essa_runs_a_search(
+    hill: EsOptimizerSpec, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """One register() call is all an ES optimizer needs: its config key loads and is checked,
+    and ``essa train``'s ESSA recipe searches with it and checkpoints its state."""
+    from essa.config import ConfigError, load_config
+    from essa.recipes import essa_es
+
+    small = [
+        f"model.name_or_path={tiny_model_dir}",
+        "sft.steps=10",
+        "sft.lr=0.01",
+        "sft.batch_size=100",
+        "data.sft_size=16",
+        "data.batch_size=4",
+        "data.test_size=8",
+        "data.val_size=0",  # the random model is at the validation floor
+        "optimizer.population_size=4",
+        "optimizer.sigma0=3.0",
+        "evaluation.every=0",
+        "evaluation.use_scale_baseline=false",
+        "generation.max_new_tokens=8",
+        "reward.name=mpi_helpers:char_variety",  # graded: candidates differ on a random model
+        "run.show_progress=false",
+        "run.generations=2",
+        f"optimizer.name={hill.name}",
+    ]
+    with pytest.raises(ConfigError, match=r"optimizer.step: must be > 0, got -1.0"):
+        load_config(None, [*small, "optimizer.step=-1"])
+    cfg = load_config(None, [*small, "optimizer.step=0.5"])
+    assert cfg.optimizer.options == HillOptions(step=0.5)
+    essa_es.run(cfg, tmp_path)
+    state = json.loads((tmp_path / "checkpoint.json").read_text())["optimizer"]
+    state = state.get("inner", state)  # held zero singular values wrap it in a Subspace
+    assert (state["optimizer"], state["generation"]) == (hill.name, 2)
+    assert np.any(np.asarray(state["mean"]) != 0.0)  # it moved off the SFT adapter
+    assert json.loads((tmp_path / "summary.json").read_text())
