@@ -4,7 +4,7 @@
 are active during interval ``interval_index``. It is a pure function of its arguments (its own
 ``SeedSequence``, never the global RNG), so every MPI rank and every resumed run agrees.
 
-``LayerwiseES`` wraps any registered optimizer (CMA-ES, OpenAI-ES) and searches, for
+``LayerwiseES`` wraps any registered optimizer (CMA-ES, OpenAI-ES, SNES) and searches, for
 ``interval`` generations at a time, only the coordinates of the sampled layers' blocks; the
 other coordinates keep their current values (what earlier blocks learned). At each switch a fresh
 inner optimizer starts with its mean at the current values of the new block.
