@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from essa.config.errors import ConfigError
+from essa.gradient.variants import VARIANTS
 
 
 @dataclass(frozen=True)
@@ -74,14 +75,11 @@ class PrimeConfig:
     use_whitening: bool = True  # whiten the token advantages over the step batch (verl)
 
 
-GRPOLoss = Literal["grpo", "dr_grpo", "dapo", "ngrpo", "w_reinforce", "psr", "nsr", "dcpo"]
-
-
 @dataclass(frozen=True)
 class GRPOConfig:
-    """The gradient backend (algorithm: grpo); presets per loss in essa/gradient/losses.py."""
+    """The gradient backend (algorithm: grpo); presets per loss in essa/gradient/variants.py."""
 
-    loss: GRPOLoss = "grpo"  # variant preset: advantages, normaliser, clip range, beta, filter
+    loss: str = "grpo"  # a variant preset (VARIANTS): advantages, normaliser, clip, beta, filter
     group_size: int = 8  # G completions sampled per prompt
     prompts_per_step: int = 8  # prompts per rollout step (G x this completions)
     temperature: float = 1.0  # rollout sampling; held-out accuracy stays greedy (generation.*)
@@ -171,6 +169,9 @@ def check_sft(s: SFTConfig) -> None:
 
 
 def check_grpo(g: GRPOConfig, max_new_tokens: int | str) -> None:
+    if g.loss not in VARIANTS:  # the presets' table is the one list of variants
+        known = " | ".join(repr(name) for name in VARIANTS)
+        raise ConfigError(f"grpo.loss: expected one of {known}, got {g.loss!r}")
     if g.group_size < 2:
         raise ConfigError(f"grpo.group_size: must be >= 2 (a group baseline), got {g.group_size}")
     positive = {
