@@ -21,7 +21,6 @@ from essa.config import (
     Config,
     ConfigError,
     dump_config,
-    key_location,
     load_config,
     tiny_sft_warning,
 )
@@ -144,22 +143,6 @@ def _resolve(config: Path | None, overrides: list[str] | None) -> Config:
     return load_config(config, overrides or ())
 
 
-def _check_before_load(cfg: Config, config: Path | None, overrides: list[str] | None) -> None:
-    """What needs the tokenizer (data.template), checked before any model loads or anything is
-    written; the error names where the key was set, as config errors do."""
-    from essa.data.task import check_prompt_template
-
-    try:
-        check_prompt_template(cfg.data, cfg.model)
-        if cfg.tools.python.max_tool_calls:
-            from essa.tools.sandbox import check_sandbox
-
-            check_sandbox(cfg.tools.python)  # one snippet: bwrap works here, or one line why
-    except UserError as err:
-        key = str(err).split(":", 1)[0]
-        raise UserError(f"{key_location(config, overrides or (), key)}: {err}") from None
-
-
 @app.command()
 @guarded
 def train(
@@ -179,66 +162,24 @@ def train(
     SFT runs first when the config names no adapter. Under mpiexec or srun every rank runs this
     command (docs/scaling.md).
     """
+    from essa.api import train_run
     from essa.dist import get_comm
-    from essa.rundir import prepare_run_dir
 
     comm = get_comm()
     _setup_logging()
-    from essa.tracking import check_trackers
-
-    if resume is not None:
-        if config is not None and comm.rank == 0:
-            typer.echo(
-                f"note: resuming with the config saved in {resume}; {config} is not read", err=True
-            )
-        config = resume / "config.yaml"
-        cfg = load_config(config, set_ or ())
-        directory = resume
-    else:
-        cfg = _resolve(config, set_)
-        directory = run_dir or Path(cfg.run.dir)
-    check_trackers(cfg.run.report_to)  # a missing library fails before any model loads
-    from essa.harness import progress_interval
-
-    progress_interval()  # a bad ESSA_PROGRESS_SECONDS fails before the run directory is made
-    if comm.rank == 0:  # the others wait: rank 0 alone creates, checks or replaces it
-        _check_before_load(cfg, config, set_)  # also: a missing model is its error line alone
-        warning = tiny_sft_warning(cfg)
-        if warning is not None and resume is None:
-            typer.echo(warning, err=True)
-        prepare_run_dir(directory, resume=resume is not None, overwrite=overwrite)
-        if resume is None:  # at once, so that a kill at any later moment can be resumed
-            from essa.rundir import atomic_write_text
-
-            atomic_write_text(directory / "config.yaml", dump_config(cfg))
-    comm.barrier()
-    if cfg.algorithm == "essa":
-        from essa.recipes import essa_es
-
-        summary = essa_es.run(
-            cfg, directory, resume=resume is not None, console=_console(), comm=comm
-        )
-    elif cfg.algorithm == "grpo":
-        from essa.recipes import grpo
-
-        summary = grpo.run(cfg, directory, resume=resume is not None, console=_console(), comm=comm)
-    elif cfg.algorithm == "dpo":
-        from essa.recipes import dpo
-
-        summary = dpo.run(cfg, directory, resume=resume is not None, console=_console(), comm=comm)
-    elif cfg.algorithm == "scalebio":
-        from essa.recipes import scalebio
-
-        summary = scalebio.run(
-            cfg, directory, resume=resume is not None, console=_console(), comm=comm
-        )
-    else:  # pragma: no cover - the schema admits only the algorithms listed above
-        raise UserError(f"algorithm: {cfg.algorithm} is not available")
+    run = train_run(
+        config,
+        overrides=set_ or (),
+        run_dir=resume if resume is not None else run_dir,
+        resume=resume is not None,
+        overwrite=overwrite,
+        console=_console(),
+        comm=comm,
+    )
     if comm.rank == 0:
-        unit = "generations" if cfg.algorithm == "essa" else "steps"
-        typer.echo("\n".join(closing_lines(directory, summary, unit)))
+        typer.echo("\n".join(closing_lines(run.run_dir, run.summary, run.unit)))
         if as_json:
-            typer.echo(json.dumps(summary, indent=2))
+            typer.echo(json.dumps(run.summary, indent=2))
 
 
 def closing_lines(run_dir: Path, summary: dict[str, Any], unit: str) -> list[str]:
@@ -283,6 +224,7 @@ def sft(
     A LoRA goes to RUN_DIR/sft_adapter; with sft.trainable full or lisa the whole model goes to
     RUN_DIR/sft_model.
     """
+    from essa.api import check_before_load
     from essa.backends.models import load_model
     from essa.data.task import load_task
     from essa.rundir import prepare_run_dir
@@ -293,7 +235,7 @@ def sft(
     directory = run_dir or Path(cfg.run.dir)
     if cfg.adapter.path is not None:
         raise UserError("adapter.path is set: `essa sft` trains a new adapter; unset it")
-    _check_before_load(cfg, config, set_)
+    check_before_load(cfg, config, set_ or ())
     warning = tiny_sft_warning(cfg)
     if warning is not None:
         typer.echo(warning, err=True)
@@ -349,56 +291,18 @@ def evaluate(
     included, as training reports it); with --samples K also avg@K, pass@K and maj@K; and drift:
     off-task KL to the base (and SFT) model, update size, retention and pass@K (docs/drift.md).
     """
-    from essa.backends.models import load_model
-    from essa.data.task import load_task
-    from essa.evaluation import check_heldout_answers, heldout_metric
-    from essa.setup import seed_everything
+    from essa.api import evaluate as evaluate_model
 
     _setup_logging()
-    cfg = _resolve(config, set_)
-    if samples < 1 or (samples > 1 and cfg.generation.temperature <= 0):
-        raise UserError(
-            "--samples K > 1 needs sampling: --set generation.temperature=0.7 (for example)"
-        )
-    if output is not None:  # both files land in one directory: checked before any work
-        from essa.rundir import check_output
-
-        check_output(output, "--output")
-        check_output(items_path(output), "--output")
-    _check_before_load(cfg, config, set_)
-    seed_everything(cfg.run.seed)
-    task = load_task(cfg.data, cfg.run.seed)
-    metric, reward = heldout_metric(cfg)
-    check_heldout_answers(metric, task.test)
-    for key, path in (("--adapter", adapter), ("--sft-adapter", sft_adapter)):
-        if path is not None and not (path / "adapter_config.json").exists():
-            raise UserError(f"{key} {path}: not a PEFT adapter directory (no adapter_config.json)")
-    if sft_adapter is not None and adapter is None:
-        raise UserError("--sft-adapter: compares with --adapter, which is not given")
-    model, tokenizer = load_model(cfg.model)
-    from essa.setup import resolve_lengths
-
-    cfg, _ = resolve_lengths(cfg, tokenizer, task, lambda line: typer.echo(line, err=True))
-    if adapter is not None:
-        from essa.setup import load_peft_adapter
-
-        model = load_peft_adapter(model, str(adapter), "--adapter").eval()
-    metrics, items = _sample_metrics(cfg, model, tokenizer, task.test, samples, reward)
-    drift = _drift(cfg, model, tokenizer, task.test, reward, adapter, sft_adapter, samples)
-    result: dict[str, Any] = {
-        **metrics,
-        "metric": metric,
-        "n": len(task.test),
-        "samples": samples,
-        "adapter": str(adapter) if adapter else None,
-        "model": cfg.model.name_or_path,
-        "drift": drift,
-    }
-    if output is not None:
-        result["items"] = str(_write_items(output, items))
+    result = evaluate_model(
+        config,
+        overrides=set_ or (),
+        adapter=adapter,
+        samples=samples,
+        output=output,
+        sft_adapter=sft_adapter,
+    )
     text = json.dumps(result, indent=2)
-    if output is not None:
-        output.write_text(text + "\n")
     typer.echo(text if as_json else "\n".join(eval_lines(result, output)))
 
 
@@ -416,124 +320,6 @@ def eval_lines(result: dict[str, Any], output: Path | None) -> list[str]:
     if output is not None:
         lines.append(f"result:   {output} (items: {result['items']})")
     return lines
-
-
-def _drift(
-    cfg: Config,
-    model: Any,
-    tokenizer: Any,
-    test: list[Any],
-    reward: Any,
-    adapter: Path | None,
-    sft_adapter: Path | None,
-    samples: int,
-) -> dict[str, Any]:
-    """The drift report of the evaluated model; ``--samples K`` > 1 already gave pass@K on the
-    whole split, so the report's own is skipped then. Without --adapter: no base to compare."""
-    import contextlib
-    from dataclasses import replace
-
-    from essa import drift
-
-    if samples > 1:
-        no_samples = replace(cfg.evaluation.drift, samples=0)
-        cfg = replace(cfg, evaluation=replace(cfg.evaluation, drift=no_samples))
-    sft = None
-    if sft_adapter is not None:
-        from essa.errors import UserError
-
-        try:
-            model.load_adapter(str(sft_adapter), adapter_name="sft")
-        except (OSError, ValueError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise UserError(
-                f"--sft-adapter: cannot load the adapter in {sft_adapter}: {first}"
-            ) from None
-
-        @contextlib.contextmanager
-        def use_sft() -> Any:
-            model.set_adapter("sft")
-            try:
-                yield
-            finally:
-                model.set_adapter("default")
-
-        sft = use_sft
-    micro = cfg.evaluation.micro_batch_size
-    models = drift.PeftModels(model, tokenizer, micro, sft=sft, has_base=adapter is not None)
-    updates = drift.peft_updates(model, sft) if adapter is not None else None
-    return drift.measure(cfg, models, tokenizer, test, reward, updates)
-
-
-def items_path(output: Path) -> Path:
-    """Where ``--output FILE`` puts the per-item records: ``FILE`` minus .json + .items.jsonl."""
-    stem = output.name.removesuffix(".json")
-    return output.with_name(f"{stem}.items.jsonl")
-
-
-def _write_items(output: Path, items: list[dict[str, Any]]) -> Path:
-    path = items_path(output)
-    path.write_text("".join(json.dumps(item) + "\n" for item in items))
-    return path
-
-
-def _sample_metrics(
-    cfg: Config, model: Any, tokenizer: Any, examples: list[Any], k: int, reward: Any
-) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Generate k completions per problem and grade them with the held-out metric ``reward``;
-    majority keys from extracted answers. Returns the metrics and one record per completion."""
-    from dataclasses import replace
-
-    from essa.backends.generate import generate_texts
-    from essa.data.task import render_prompts
-    from essa.metrics import sample_metrics
-    from essa.rewards import extract_answer
-    from essa.samples import item_records
-
-    prompts = render_prompts(examples, cfg.data.template, tokenizer, cfg.data.system_prompt)
-    rows = [p for p in prompts for _ in range(k)]  # problem-major
-    # One completion per problem is greedy, as the held-out score during training; K samples
-    # use generation.temperature.
-    gen = cfg.generation if k > 1 else replace(cfg.generation, temperature=0.0)
-    if cfg.tools.python.max_tool_calls:  # the rollouts' tool calls, as training scores them
-        from essa.backends.tool_turns import generate_turns
-
-        ids = tokenizer(rows, add_special_tokens=False)["input_ids"]
-        texts, _, _ = generate_turns(
-            model, tokenizer, ids, gen, cfg.tools.python,
-            micro_batch_size=cfg.evaluation.micro_batch_size, seed=cfg.run.seed,
-        )  # fmt: skip
-    elif k == 1:  # the held-out path every recipe's held-out score takes (docs/inference.md)
-        from essa.backends.evaluator import heldout_completions
-
-        micro = cfg.evaluation.micro_batch_size
-        texts, _ = heldout_completions(model, tokenizer, rows, gen, micro_batch_size=micro)
-    else:
-        texts, _ = generate_texts(
-            model,
-            tokenizer,
-            rows,
-            gen,
-            micro_batch_size=cfg.evaluation.micro_batch_size,
-            seed=cfg.run.seed,
-        )
-    answers = [e.answer for e in examples for _ in range(k)]
-    scores = reward(texts, answers, rows)
-    # pass@k and maj@k count full credit only: a graded metric (gym_score's partial credit)
-    # would otherwise pass every answer that earned anything. mean_score is the held-out
-    # score as training reports it (partial credit included).
-    values = [float(s or 0.0) for s in scores]
-    correct = [[v >= 1.0 for v in values[i * k : (i + 1) * k]] for i in range(len(examples))]
-    keys = [[extract_answer(t) for t in texts[i * k : (i + 1) * k]] for i in range(len(examples))]
-    metrics = sample_metrics(correct, ks=sorted({1, k}), keys=keys)
-    metrics["mean_score"] = sum(values) / len(values) if values else float("nan")
-    questions = [e.prompt for e in examples for _ in range(k)]
-    items = item_records(questions, texts, answers, scores)
-    for i, item in enumerate(items):
-        item["sample"] = i % k
-    if k == 1:
-        metrics = {"pass@1": metrics["pass@1"], "mean_score": metrics["mean_score"]}
-    return metrics, items
 
 
 @app.command("export")

@@ -84,8 +84,8 @@ def test_eval_output_writes_items_beside_aggregate(tmp_path: Path) -> None:
 def test_eval_pass_at_1_counts_full_credit_and_mean_score_keeps_partial() -> None:
     """A graded held-out metric (gym_score gives partial credit): pass@1 is the share of items
     with full credit, mean_score the mean as training reports it."""
+    from essa.api import heldout_samples
     from essa.backends.models import load_model
-    from essa.cli import _sample_metrics
     from essa.config import load_config
     from essa.data.task import load_task
 
@@ -96,6 +96,6 @@ def test_eval_pass_at_1_counts_full_credit_and_mean_score_keeps_partial() -> Non
     def graded(texts: list[str], answers: list, rows: list[str]) -> list[float | None]:
         return [1.0, 0.5, 0.25, None][: len(texts)]
 
-    metrics, items = _sample_metrics(cfg, model, tokenizer, examples, 1, graded)
+    metrics, items = heldout_samples(cfg, model, tokenizer, examples, 1, graded)
     assert metrics == {"pass@1": 0.25, "mean_score": pytest.approx(1.75 / 4)}
     assert [i["reward"] for i in items] == [1.0, 0.5, 0.25, None]

@@ -41,11 +41,12 @@ from essa.config.gradient import (
 )
 from essa.config.run import RunConfig, check_run
 from essa.config.tools import ToolsConfig, check_tools
+from essa.recipes import RECIPES
 
 
 @dataclass(frozen=True)
 class Config:
-    algorithm: Literal["essa", "grpo", "dpo", "scalebio"] = "essa"
+    algorithm: str = "essa"  # a registered recipe (essa.recipes): essa, grpo, dpo, scalebio
     backend: Literal["hf", "vllm"] = "hf"  # evaluation backend of the ESSA recipe
     model: ModelConfig = field(default_factory=ModelConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
@@ -65,6 +66,7 @@ class Config:
 
 def check_values(cfg: Config) -> None:
     """Range checks that types cannot express: each section's, then those across sections."""
+    _check_algorithm(cfg.algorithm)
     check_optimizer(cfg.optimizer)
     check_adapter(cfg.adapter)
     check_data(cfg.data)
@@ -101,6 +103,13 @@ def check_values(cfg: Config) -> None:
     _check_tool_rollouts(cfg)
     _check_drift_budget(cfg)
     _check_retention_task(cfg)
+
+
+def _check_algorithm(name: str) -> None:
+    """The choices are the recipe registry's names, so a registered recipe is a valid value."""
+    if name not in RECIPES:
+        known = " | ".join(repr(n) for n in RECIPES)
+        raise ConfigError(f"algorithm: expected one of {known}, got {name!r}")
 
 
 def _check_retention_task(cfg: Config) -> None:
