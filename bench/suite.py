@@ -2,15 +2,19 @@
 
     python -m bench                  # SUITE: the quick-but-honest set, <= 15 min on 2 cores
     python -m bench --all            # SUITE and ON_DEMAND
-    python -m bench NAME [NAME ...]  # those benchmarks only (with their suite arguments)
+    python -m bench NAME [NAME ...]  # those benchmarks or studies only (with their listed arguments)
     python -m bench --report-only    # re-render docs/performance.md and the plots, run nothing
     python -m bench --list           # every benchmark and study, with its command
 
-Each benchmark runs in a fresh process (``python -m bench.<name> ARGS``), so its memory, threads
-and imports do not leak into the next; a failing one is logged and the others still run. Every
-module writes bench/results/<name>.json and defines ``report_rows``; the report lists every
-known benchmark with the date of its record, whether run now, recorded earlier (on demand) or never
-("not run yet"). bench/results/suite.json keeps the wall time of the last suite run.
+bench/ holds two kinds of driver. A benchmark (bench/benchmarks/) times or sizes one thing in
+minutes and reports ratios measured side by side; a study (bench/studies/) trains whole runs
+for hours and compares held-out accuracy, written up in docs/results*.md. Each runs in a fresh
+process (``python -m bench.benchmarks.<name> ARGS``, ``python -m bench.studies.<name> ARGS``),
+so its memory, threads and imports do not leak into the next; a failing one is logged and the
+others still run. Every driver writes bench/results/<name>.json; the report lists every
+benchmark, and every study that defines ``report_rows``, with the date of its record, whether
+run now, recorded earlier or never ("not run yet"). bench/results/suite.json keeps the wall
+time of the last suite run.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 from bench.common import RESULTS, Row, compact_png, read_result, row
 
 BENCH_DIR = Path(__file__).resolve().parent
+KINDS = ("benchmarks", "studies")  # bench/<kind>/<name>.py
 DOC = Path("docs/performance.md")
 # docs/results.md (any page of docs/, and README) is prose around the studies' own tables: each
 # block between "<!-- table: bench/results/NAME.md -->" and "<!-- end table -->" is that file's
@@ -47,11 +52,21 @@ SUITE: list[tuple[str, list[str]]] = [
     ("optimizer_timing", ["--iterations", "10", "--max-seconds", "15"]),
     ("mpi_scaling", ["--generations", "20", "--repeats", "2"]),
 ]
-# Longer runs: their recorded JSON is rendered; `--all` or their name runs them.
+# Longer benchmarks: their recorded JSON is rendered; `--all` or their name runs them.
 ON_DEMAND: list[tuple[str, list[str]]] = [
-    ("demo", ["--seeds", "0", "1", "2"]),  # the demo table and plot of docs/results.md (~5 min)
     ("prefix_cache", []),
     ("quant", ["--seeds", "0", "1", "2"]),
+    ("peers_memory", ["--threads", "1", "--repeats", "2"]),
+    ("vllm_throughput", ["--repeats", "3"]),
+    ("long_completions", ["--repeats", "3", "--baseline", "main"]),  # this tree vs main (~15 min)
+    ("generation_speed", []),  # one generation on a long-prompt task, 3 variants (~12 min)
+    ("gpu_check", []),  # needs a GPU (< 8 min); on CPU: --device cpu --tiny
+]
+# Studies: algorithm comparisons on held-out accuracy, written up in docs/results*.md (their own
+# .md tables and plots); `python -m bench NAME` runs one. Minutes (demo, peers, trl_grpo, lisa)
+# to hours each. Those that define report_rows are rendered in docs/performance.md too.
+STUDIES: list[tuple[str, list[str]]] = [
+    ("demo", ["--seeds", "0", "1", "2"]),  # the demo table and plot of docs/results.md (~5 min)
     (
         "peers",
         [
@@ -66,18 +81,9 @@ ON_DEMAND: list[tuple[str, list[str]]] = [
             "--set",
             "data.test_size=200",
         ],
-    ),
-    ("trl_grpo", ["--threads", "1"]),
-    ("peers_memory", ["--threads", "1", "--repeats", "2"]),
-    ("lisa", ["--seeds", "0", "1", "2", "--steps", "12"]),
-    ("vllm_throughput", ["--repeats", "3"]),
-    ("long_completions", ["--repeats", "3", "--baseline", "main"]),  # this tree vs main (~15 min)
-    ("generation_speed", []),  # one generation on a long-prompt task, 3 variants (~12 min)
-    ("gpu_check", []),  # needs a GPU (< 8 min); on CPU: --device cpu --tiny
-]
-# Studies: algorithm comparisons on held-out accuracy, written up in docs/results.md (their own
-# .md tables and plots), not in docs/performance.md; `python -m bench NAME` runs one. Hours each.
-STUDIES: list[tuple[str, list[str]]] = [
+    ),  # ESSA, our GRPO and TRL on the demo (~9 min)
+    ("trl_grpo", ["--threads", "1"]),  # TRL's GRPOTrainer on the demo (~5 min)
+    ("lisa", ["--seeds", "0", "1", "2", "--steps", "12"]),  # LISA memory, layerwise ES on the demo
     ("real_model", ["--seeds", "0", "1", "2"]),  # SmolLM2 on reasoning-gym tasks, vs GRPO
     ("real_model_ablation", ["--seeds", "0", "1", "2"]),  # one change at a time, real model
     ("signal", ["--seeds", "0", "1", "2"]),  # informative prompts and process rewards
@@ -88,8 +94,29 @@ STUDIES: list[tuple[str, list[str]]] = [
     ("tie_breaker", []),  # the reference tie-breaker along the scaled line, per task
     ("mutation", ["--per-module", "5", "--seed", "0"]),  # do the tests catch injected bugs
 ]
-# Modules that serve the benchmarks rather than measure: run by them, or by hand before them.
+# Modules that serve the drivers rather than measure: run by them, or by hand before them.
 HELPERS = ("common", "suite", "gguf_to_safetensors", "tiny_prm")
+
+
+def kind_of(name: str) -> str:
+    """How a listed driver runs: "suite", "on demand" (benchmarks) or "study"."""
+    if name in dict(SUITE):
+        return "suite"
+    return "on demand" if name in dict(ON_DEMAND) else "study"
+
+
+def module_file(name: str) -> Path | None:
+    """bench/benchmarks/<name>.py or bench/studies/<name>.py, whichever exists."""
+    found = [BENCH_DIR / kind / f"{name}.py" for kind in KINDS]
+    return next((path for path in found if path.exists()), None)
+
+
+def module(name: str) -> str:
+    """The dotted module of a driver: ``bench.benchmarks.<name>`` or ``bench.studies.<name>``."""
+    path = module_file(name)
+    if path is None:
+        raise KeyError(f"no driver {name} in bench/benchmarks or bench/studies")
+    return f"bench.{path.parent.name}.{name}"
 
 
 def thread_args(name: str, threads: int | None) -> list[str]:
@@ -98,14 +125,23 @@ def thread_args(name: str, threads: int | None) -> list[str]:
         return []
     if name in ("demo", "quant"):  # they run `essa train` with --set overrides
         return ["--set", f"model.num_threads={threads}"]
-    text = (BENCH_DIR / f"{name}.py").read_text()
+    path = module_file(name)
+    text = path.read_text() if path else ""
     return ["--threads", str(threads)] if '"--threads"' in text else []
 
 
+def reported(name: str) -> bool:
+    """True when a study's module defines report_rows (its rows go to docs/performance.md)."""
+    path = module_file(name)
+    return path is not None and "\ndef report_rows(" in path.read_text()
+
+
 def known() -> list[tuple[str, list[str], bool]]:
-    """(module, args, in SUITE) for every listed benchmark whose module file exists."""
+    """(name, args, in SUITE) for every listed benchmark whose module file exists, and every
+    study that reports rows."""
     listed = [(n, a, True) for n, a in SUITE] + [(n, a, False) for n, a in ON_DEMAND]
-    return [(n, a, s) for n, a, s in listed if (BENCH_DIR / f"{n}.py").exists()]
+    listed += [(n, a, False) for n, a in STUDIES if reported(n)]
+    return [(n, a, s) for n, a, s in listed if module_file(n) is not None]
 
 
 def run_one(name: str, args: list[str]) -> dict[str, Any]:
@@ -113,7 +149,7 @@ def run_one(name: str, args: list[str]) -> dict[str, Any]:
     LOGS.mkdir(parents=True, exist_ok=True)
     log = LOGS / f"{name}.log"
     python = INTERPRETERS.get(name)
-    cmd = [str(python) if python and python.exists() else sys.executable, "-m", f"bench.{name}",
+    cmd = [str(python) if python and python.exists() else sys.executable, "-m", module(name),
            *args]  # fmt: skip
     print(f"[bench] {' '.join(cmd[1:])}  (log: {log})", flush=True)
     start = time.perf_counter()
@@ -129,8 +165,7 @@ def rows_for(name: str, result: dict[str, Any] | None) -> list[Row]:
     """The module's report rows, or one row saying why there are none."""
     if result is None:
         return [row(name, "not run yet", None, None, f"run: python -m bench {name}")]
-    module = importlib.import_module(f"bench.{name}")
-    report = getattr(module, "report_rows", None)
+    report = getattr(importlib.import_module(module(name)), "report_rows", None)
     if report is None:
         return [row(name, "recorded", None, None, "module has no report_rows yet")]
     try:
@@ -159,7 +194,7 @@ def section(name: str, in_suite: bool, result: dict[str, Any] | None, ran_now: s
                 f"{machine.get('torch_threads', 'n/a')}, load {machine.get('load_average_1min')}"
             )
         when = result.get("date", "date not recorded")
-        origin = "this run" if name in ran_now else ("suite" if in_suite else "on demand")
+        origin = "this run" if name in ran_now else ("suite" if in_suite else kind_of(name))
         versions = result.get("versions")
         lines += [
             f"Command: `{result.get('command', f'not recorded: re-run python -m bench {name}')}`  ",
@@ -196,14 +231,16 @@ def render(ran_now: set[str]) -> str:
         "python -m bench                # the suite below (SUITE), <= 15 min on 2 cores",
         "python -m bench --threads 1    # the same with 1 torch thread: for a busy machine",
         "python -m bench --all          # plus the on-demand benchmarks (much longer)",
-        "python -m bench strategies     # one benchmark; or python -m bench.strategies --help",
+        "python -m bench strategies     # one benchmark (python -m bench.benchmarks.strategies --help)",
         "python -m bench --report-only  # re-render this page from bench/results/*.json",
         "```",
         "",
         "Suite: "
         + ", ".join(f"`{n}`" for n, _, s in known() if s)
         + ". On demand: "
-        + ", ".join(f"`{n}`" for n, _, s in known() if not s)
+        + ", ".join(f"`{n}`" for n, _, _ in known() if kind_of(n) == "on demand")
+        + ". Studies with rows here (their tables are in docs/results*.md): "
+        + ", ".join(f"`{n}`" for n, _, _ in known() if kind_of(n) == "study")
         + ".",
         "",
     ]
@@ -288,11 +325,11 @@ def plot_throughput(path: Path) -> bool:
 
 def study_table(path: Path) -> str:
     """The markdown table of a study: ``bench/results/<name>.md`` as written, or for
-    ``<name>.json`` the table that ``bench.<name>.record_table`` renders from the record (its
+    ``<name>.json`` the table that the driver's ``record_table`` renders from the record (its
     table lines only)."""
     if path.suffix == ".json":
-        module = importlib.import_module(f"bench.{path.stem}")
-        text = module.record_table(json.loads(path.read_text()))
+        driver = importlib.import_module(module(path.stem))
+        text = driver.record_table(json.loads(path.read_text()))
     else:
         text = path.read_text()
     lines = [line for line in text.splitlines() if line.startswith("|")]
@@ -331,11 +368,11 @@ def main(argv: list[str] | None = None) -> int:
         "2 for most; use 1 on a machine where other work keeps the cores busy)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    table = {n: (a, "suite" if s else "on demand") for n, a, s in known()}
+    table = {n: (a, kind_of(n)) for n, a, _ in known()}
     table |= {n: (a, "study") for n, a in STUDIES}  # run by name only
     if args.list:
         for n, (a, kind) in table.items():
-            print(f"{n:22s} {kind:9s} python -m bench.{n} {' '.join(a)}")
+            print(f"{n:22s} {kind:9s} python -m {module(n)} {' '.join(a)}")
         return 0
     unknown = [n for n in args.names if n not in table]
     if unknown:

@@ -245,7 +245,7 @@ def private_uses(path: Path) -> list[str]:
 def test_no_private_name_is_used_across_modules() -> None:
     """A leading underscore means "this module only": the package and the benchmarks never
     reach into another module's private names (a name others need is public, and documented)."""
-    paths = [*sources(), *sorted((ROOT / "bench").glob("*.py"))]
+    paths = [*sources(), *sorted((ROOT / "bench").rglob("*.py"))]
     broken = [use for path in paths for use in private_uses(path)]
     assert not broken, "\n".join(broken)
 

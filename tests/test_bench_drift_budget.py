@@ -1,10 +1,10 @@
-"""bench.drift_budget's tables from run records (the runs themselves are the bench's)."""
+"""bench.studies.drift_budget's tables from run records (the runs themselves are the bench's)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.drift_budget import summarise, table
+from bench.studies.drift_budget import summarise, table
 
 
 def record(arm: str, seed: int, gain: float, kl: float) -> dict:

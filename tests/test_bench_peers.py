@@ -1,4 +1,4 @@
-"""bench/trl_grpo.py, bench/peers.py and bench/peers_memory.py end to end on the tiny model.
+"""bench/studies/trl_grpo.py, bench/studies/peers.py and bench/benchmarks/peers_memory.py end to end on the tiny model.
 
 The TRL mapping is checked against TRL's own GRPOConfig validation; the runners are run for one
 or two steps on the in-process tiny Qwen2 (tests/conftest.py) and their outputs are checked for
@@ -56,7 +56,7 @@ def test_trl_arguments_match_our_presets_and_pass_trl_validation(
 ) -> None:
     from trl import GRPOConfig
 
-    from bench.trl_grpo import trl_arguments
+    from bench.studies.trl_grpo import trl_arguments
 
     cfg = load_config("configs/grpo_demo.yaml", [f"grpo.loss={loss}"])
     args = trl_arguments(cfg, tmp_path)
@@ -71,7 +71,7 @@ def test_trl_arguments_match_our_presets_and_pass_trl_validation(
 
 
 def test_trl_arguments_refuse_what_trl_cannot_run(tmp_path: Path) -> None:
-    from bench.trl_grpo import trl_arguments
+    from bench.studies.trl_grpo import trl_arguments
 
     with pytest.raises(UserError, match="grpo.loss=ngrpo"):
         trl_arguments(load_config(None, ["algorithm=grpo", "grpo.loss=ngrpo"]), tmp_path)
@@ -90,7 +90,7 @@ def test_trl_arguments_refuse_what_trl_cannot_run(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_trl_runner_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from bench.trl_grpo import report_rows, run
+    from bench.studies.trl_grpo import report_rows, run
 
     # A random 0/1 reward: the untrained tiny model is never right, and groups need a spread.
     cfg = load_config(None, [*tiny_sets(tiny_model_dir), "reward.name=random"])
@@ -120,7 +120,7 @@ def test_trl_runner_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
 def test_peers_runs_three_trainers_from_one_sft_adapter(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    from bench.peers import report_rows, run_seed, summarize
+    from bench.studies.peers import report_rows, run_seed, summarize
 
     overrides = [s for s in tiny_sets(tiny_model_dir) if s != "algorithm=grpo"]
     overrides += [
@@ -149,7 +149,7 @@ def test_peers_runs_three_trainers_from_one_sft_adapter(
 
 @pytest.mark.slow
 def test_peers_memory_reports_ratio_and_breakdown(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from bench.peers_memory import measure, report_rows
+    from bench.benchmarks.peers_memory import measure, report_rows
 
     args = argparse.Namespace(
         generations=1, rows=4, population=2, group_size=2, max_new_tokens=4, repeats=1,
@@ -175,7 +175,7 @@ def test_state_sizes_match_real_optimizer_state() -> None:
     import cma
     import numpy as np
 
-    from bench.peers_memory import MB, state_sizes
+    from bench.benchmarks.peers_memory import MB, state_sizes
 
     numel, dim, population = 3000, 40, 6
     params = [torch.nn.Parameter(torch.zeros(1000)) for _ in range(3)]  # 3000 LoRA weights

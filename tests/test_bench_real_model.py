@@ -1,4 +1,4 @@
-"""bench/real_model.py's bookkeeping on hand-made run files: passes, paired tests, the table."""
+"""bench/studies/real_model.py's bookkeeping on hand-made run files: passes, paired tests, the table."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.real_model import paired, passes, pooled, sets, table, task_config
+from bench.studies.common import paired, passes, pooled, sets, task_config
+from bench.studies.real_model import table
 
 
 def test_passes_reads_every_held_out_pass(tmp_path: Path) -> None:
@@ -88,7 +89,7 @@ def test_table_row_from_a_result() -> None:
 def test_table_shows_each_runs_plan_against_what_it_made() -> None:
     """Generations made (planned) per seed, the search's seconds actual / planned and its share
     of the phases the budget sizes and of the whole run; a run from before the plan shows "-"."""
-    from bench.real_model import plan_cells
+    from bench.studies.real_model import plan_cells
 
     def run(made: int, planned: int, actual: float, before: float, wall: float) -> dict:
         phases = {"SFT": {"actual": before, "planned": 100.0},
@@ -111,7 +112,7 @@ def test_table_pools_grpo_over_its_seeds_and_pairs_memory_by_seed() -> None:
     of each GRPO run beside the ESSA run of its own seed (seed 2's ESSA has no GRPO)."""
     import argparse
 
-    from bench.real_model import grpo_seeds, pooled
+    from bench.studies.real_model import grpo_seeds
 
     def essa(seed: int, rss: float) -> dict:
         acc = {"sft": 0.2, "scale": 0.2, "final": 0.3}
@@ -138,7 +139,7 @@ def test_table_pools_grpo_over_its_seeds_and_pairs_memory_by_seed() -> None:
     assert "| 0.280 (ESSA +0.020 ± 0.025, 2 seeds) |" in row
     assert "| 1500 / 7000 MB (0.21x) |" in row  # seeds 0 and 1 only: 9000 MB is not GRPO's pair
     # The README's short table carries the same cells: the headline columns only.
-    from bench.real_model import short_table
+    from bench.studies.real_model import short_table
 
     short = short_table({"tasks": {"chain_sum": t}}).splitlines()
     assert short[-1] == (
@@ -152,7 +153,7 @@ def test_table_pools_grpo_over_its_seeds_and_pairs_memory_by_seed() -> None:
 
 def test_grpo_seed_outside_seeds_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     """GRPO starts from an ESSA seed's run: a --grpo-seeds seed not in --seeds would not run."""
-    from bench.real_model import parse_args
+    from bench.studies.real_model import parse_args
 
     assert parse_args(["--seeds", "0", "1", "--grpo-seeds", "1"]).grpo_seeds == [1]
     with pytest.raises(SystemExit) as stop:
@@ -162,8 +163,8 @@ def test_grpo_seed_outside_seeds_is_a_usage_error(capsys: pytest.CaptureFixture[
 
 
 def test_grpo_options_summary_pairs_each_option_with_plain_grpo_of_its_seed() -> None:
-    from bench.grpo_options import OPTIONS, summarise
-    from bench.grpo_options import table as options_table
+    from bench.studies.grpo_options import OPTIONS, summarise
+    from bench.studies.grpo_options import table as options_table
 
     plain = [{"final": 0.5, "steps": 10, "scores": [1.0, 0.0, 0.0, 1.0]},
              {"final": 0.25, "steps": 11, "scores": [0.0, 0.0, 0.0, 1.0]}]  # fmt: skip
@@ -186,7 +187,7 @@ def test_grpo_options_summary_pairs_each_option_with_plain_grpo_of_its_seed() ->
 def test_reuse_skips_finished_commands_and_keeps_their_seconds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import bench.real_model as rm
+    import bench.studies.common as common
 
     calls: list[list[str]] = []
 
@@ -195,19 +196,19 @@ def test_reuse_skips_finished_commands_and_keeps_their_seconds(
         (tmp_path / "done.json").write_text("{}")
         return 12.5
 
-    monkeypatch.setattr(rm, "essa", fake_essa)
+    monkeypatch.setattr(common, "essa", fake_essa)
     done, log = tmp_path / "done.json", tmp_path / "run.log"
-    assert rm.timed(["train"], done, log, 2, reuse=True) == 12.5  # nothing to reuse yet: runs
+    assert common.timed(["train"], done, log, 2, reuse=True) == 12.5  # nothing to reuse yet: runs
     assert log.with_suffix(".seconds").read_text() == "12.5\n"
-    assert rm.timed(["train"], done, log, 2, reuse=True) == 12.5  # reused: not run again
+    assert common.timed(["train"], done, log, 2, reuse=True) == 12.5  # reused: not run again
     assert len(calls) == 1
-    assert rm.timed(["train"], done, log, 2, reuse=False) == 12.5  # without --reuse: runs
+    assert common.timed(["train"], done, log, 2, reuse=False) == 12.5  # without --reuse: runs
     assert len(calls) == 2
 
 
 def test_ablation_arms_are_paired_with_the_default_of_their_seed() -> None:
-    from bench.real_model_ablation import ARMS, summarise
-    from bench.real_model_ablation import table as ablation_table
+    from bench.studies.real_model_ablation import ARMS, summarise
+    from bench.studies.real_model_ablation import table as ablation_table
 
     def run(sft: list[float], final: list[float], wall: float) -> dict:
         return {
@@ -232,8 +233,8 @@ def test_ablation_arms_are_paired_with_the_default_of_their_seed() -> None:
 def test_drift_arms_report_off_task_kl_against_the_baseline_and_grpo() -> None:
     """With drift reports on every run, an ablation row gains KL(base||tuned), KL(SFT||tuned) and
     the KL ratios (per-prompt pairs pooled over seeds) to the baseline arm and to GRPO."""
-    from bench.real_model_ablation import ABLATION, ARMS, summarise
-    from bench.real_model_ablation import table as ablation_table
+    from bench.studies.real_model_ablation import ABLATION, ARMS, summarise
+    from bench.studies.real_model_ablation import table as ablation_table
 
     def run(kl: list[float], kl_sft: float) -> dict:
         drift = {"kl_base": sum(kl) / len(kl), "kl_sft": kl_sft, "kl_per_prompt": {"kl_base": kl}}
@@ -266,8 +267,8 @@ def test_drift_arms_report_off_task_kl_against_the_baseline_and_grpo() -> None:
 def test_real_model_signal_arms_count_rows_and_compare_with_their_baseline(tmp_path: Path) -> None:
     """The per-prompt switches' real-model arms: rows, the curve with the final
     appended, skip/hint counts, rows per point of gain and rows-to-threshold against `pool`."""
-    from bench.real_model_ablation import ARMS, prompt_signal, summarise
-    from bench.real_model_ablation import table as ablation_table
+    from bench.studies.real_model_ablation import ARMS, prompt_signal, summarise
+    from bench.studies.real_model_ablation import table as ablation_table
     from essa.config import dump_config, load_config
 
     def run_dir(name: str, records: list[dict]) -> Path:
@@ -330,9 +331,9 @@ def test_reuse_restores_an_archived_command_only_when_it_is_the_same_one(
 ) -> None:
     """A wiped --root: --reuse puts the archived records back instead of running again, unless
     the arguments or the task config changed."""
-    import bench.real_model as rm
+    import bench.studies.common as common
 
-    monkeypatch.setattr(rm, "ARCHIVE", tmp_path / "archive")
+    monkeypatch.setattr(common, "ARCHIVE", tmp_path / "archive")
     calls: list[list[str]] = []
     config = tmp_path / "config.yaml"
     config.write_text("data: {batch_size: 32}\n")
@@ -347,18 +348,18 @@ def test_reuse_restores_an_archived_command_only_when_it_is_the_same_one(
         (run_dir / "heldout_scores.jsonl").write_text('{"scores": [1.0, 0.0]}\n')
         return 30.0 + len(calls)
 
-    monkeypatch.setattr(rm, "essa", fake_essa)
+    monkeypatch.setattr(common, "essa", fake_essa)
     args = ["train", str(config), "--set", "run.seed=0"]
     root.mkdir(parents=True)
-    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0
-    archived = rm.archived(log)
-    assert rm.archive_file(log) == tmp_path / "archive" / "chain_sum.jsonl.xz"
+    assert common.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0
+    archived = common.archived(log)
+    assert common.archive_file(log) == tmp_path / "archive" / "chain_sum.jsonl.xz"
     assert archived is not None and archived["command"]["seconds"] == 31.0
     assert archived["files"]["heldout_scores.jsonl"] == '{"scores": [1.0, 0.0]}\n'
 
     for path in [*keep, log.with_suffix(".seconds")]:  # the machine is wiped
         path.unlink()
-    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0  # restored, not run
+    assert common.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0  # restored, not run
     assert len(calls) == 1
     assert json.loads(keep[0].read_text()) == {"run": 1}
     assert keep[1].read_text() == '{"scores": [1.0, 0.0]}\n'
@@ -366,14 +367,14 @@ def test_reuse_restores_an_archived_command_only_when_it_is_the_same_one(
     for path in [*keep, log.with_suffix(".seconds")]:
         path.unlink()
     config.write_text("data: {batch_size: 64}\n")  # another task config: the record is not it
-    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 32.0
+    assert common.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 32.0
     assert len(calls) == 2
-    record = rm.archived(log)  # the record now is the new config's run
+    record = common.archived(log)  # the record now is the new config's run
     assert record is not None and record["command"]["config"] == config.read_text()
     other = [*args, "--set", "data.batch_size=16"]  # other arguments: run as well
     for path in [*keep, log.with_suffix(".seconds")]:
         path.unlink()
-    assert rm.timed(other, keep[0], log, 2, reuse=True, keep=keep) == 33.0
+    assert common.timed(other, keep[0], log, 2, reuse=True, keep=keep) == 33.0
     assert len(calls) == 3
 
 
@@ -383,10 +384,10 @@ def test_reuse_runs_again_a_record_whose_run_resolved_its_config_otherwise(
     """A record whose run directory's config.yaml (the config as its day's code resolved it)
     lacks a default added since, or holds another default value, is not today's command, although
     its task config and arguments are the same: --reuse runs it again."""
-    import bench.real_model as rm
+    import bench.studies.common as common
     from essa.config import dump_config, load_config
 
-    monkeypatch.setattr(rm, "ARCHIVE", tmp_path / "archive")
+    monkeypatch.setattr(common, "ARCHIVE", tmp_path / "archive")
     calls: list[list[str]] = []
     config = tmp_path / "config.yaml"
     config.write_text("data: {batch_size: 32}\n")
@@ -405,20 +406,20 @@ def test_reuse_runs_again_a_record_whose_run_resolved_its_config_otherwise(
         for path in [*keep, log.with_suffix(".seconds")]:
             path.unlink()
 
-    monkeypatch.setattr(rm, "essa", fake_essa)
+    monkeypatch.setattr(common, "essa", fake_essa)
     args = ["train", str(config), "--set", "run.seed=0"]
     root.mkdir(parents=True)
-    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0
+    assert common.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0
     wipe()
-    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0  # restored
+    assert common.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0  # restored
     assert len(calls) == 1
 
     def rewrite(old: str, new: str) -> None:  # the record as an older day's code left it
-        path = rm.archive_file(log)
-        records = rm.read_archive(path)
+        path = common.archive_file(log)
+        records = common.read_archive(path)
         text = records["essa-seed0"]["files"]["config.yaml"]
         records["essa-seed0"]["files"]["config.yaml"] = text.replace(old, new)
-        rm.write_archive(path, records)
+        common.write_archive(path, records)
 
     no_key = ("  reference_check: true\n", "")  # a key added since
     other_default = ("  reference_weight: 0.0\n", "  reference_weight: 1.0\n")
@@ -427,7 +428,7 @@ def test_reuse_runs_again_a_record_whose_run_resolved_its_config_otherwise(
         wipe()
         rewrite(old, new)
         ran = len(calls)
-        assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0 + ran  # run again
+        assert common.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 31.0 + ran  # run again
     assert len(calls) == 3
 
 
@@ -436,7 +437,7 @@ def test_the_archive_keeps_only_the_base_models_scores_of_its_completions(
 ) -> None:
     """An archived base_eval.items.jsonl keeps each item's reward (all the bench reads back),
     not the prompt and completion; every other file is kept whole."""
-    import bench.real_model as rm
+    import bench.studies.common as common
 
     items = "".join(
         json.dumps({"prompt": "p" * 200, "completion": "c" * 100, "reward": r}) + "\n"
@@ -444,8 +445,8 @@ def test_the_archive_keeps_only_the_base_models_scores_of_its_completions(
     )
     files = {"base_eval.items.jsonl": items, "base_eval.json": '{"accuracy": 0.33}'}
     path = tmp_path / "task.jsonl.xz"
-    rm.write_archive(path, {"base_eval": {"name": "base_eval", "command": {}, "files": files}})
-    (record,) = rm.read_archive(path).values()
+    common.write_archive(path, {"base_eval": {"name": "base_eval", "command": {}, "files": files}})
+    (record,) = common.read_archive(path).values()
     kept = record["files"]["base_eval.items.jsonl"].splitlines()
     assert [json.loads(x) for x in kept] == [{"reward": 1.0}, {"reward": 0.0}, {"reward": None}]
     assert record["files"]["base_eval.json"] == files["base_eval.json"]
@@ -457,9 +458,9 @@ def test_reuse_restores_the_record_of_an_arm_that_ran_the_same_config(
     """An ablation arm that became the default: a command whose task config now holds what the
     arm set with --set (comments and run directory aside) is restored from the arm's record;
     one that differs in any resolved value is run."""
-    import bench.real_model as rm
+    import bench.studies.common as common
 
-    monkeypatch.setattr(rm, "ARCHIVE", tmp_path / "archive")
+    monkeypatch.setattr(common, "ARCHIVE", tmp_path / "archive")
     calls: list[list[str]] = []
     root = tmp_path / "runs" / "chain_sum"
 
@@ -483,22 +484,22 @@ def test_reuse_restores_the_record_of_an_arm_that_ran_the_same_config(
         ]
         return args, root / f"{name}.log", [root / name / "summary.json"]
 
-    monkeypatch.setattr(rm, "essa", fake_essa)
+    monkeypatch.setattr(common, "essa", fake_essa)
     root.mkdir(parents=True)
     config = tmp_path / "config.yaml"
     config.write_text("# 24 steps\nsft: {steps: 24}\n")
     args, log, keep = command("ablation-longer_sft-seed0", "sft.steps=48")
-    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 41.0
+    assert common.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 41.0
 
     config.write_text("# 48 steps now\nsft: {steps: 48}\n")  # the arm became the default
     args, log, keep = command("essa-seed0")
-    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 41.0  # restored, not run
+    assert common.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 41.0  # restored, not run
     assert len(calls) == 1
     assert json.loads(keep[0].read_text()) == {"run": str(root / "ablation-longer_sft-seed0")}
-    assert rm.archived(log) is not None  # archived under its own name too
+    assert common.archived(log) is not None  # archived under its own name too
 
     args, log, keep = command("essa-seed1", "run.seed=1")  # another seed: run
-    assert rm.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 42.0
+    assert common.timed(args, keep[0], log, 2, reuse=True, keep=keep) == 42.0
     assert len(calls) == 2
 
 
@@ -507,9 +508,9 @@ def test_grpo_reruns_essa_only_when_it_must_run_and_its_sft_adapter_is_gone(
 ) -> None:
     """A restored ESSA run keeps no weights: GRPO, which starts from its SFT adapter, needs the
     ESSA run again, unless GRPO itself is finished or archived (then nothing runs)."""
-    import bench.real_model as rm
+    import bench.studies.common as common
 
-    monkeypatch.setattr(rm, "ARCHIVE", tmp_path / "archive")
+    monkeypatch.setattr(common, "ARCHIVE", tmp_path / "archive")
     root = tmp_path / "runs" / "chain_sum"
     root.mkdir(parents=True)
     config = tmp_path / "config.yaml"
@@ -517,33 +518,33 @@ def test_grpo_reruns_essa_only_when_it_must_run_and_its_sft_adapter_is_gone(
     sft = root / "essa-seed0" / "sft_adapter"
     essa_run = {"seed": 0, "summary": {"wall_seconds": 900.0, "sft_adapter_dir": str(sft)}}
 
-    assert rm.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=True)
-    assert rm.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=False)
+    assert common.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=True)
+    assert common.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=False)
     sft.mkdir(parents=True)
-    assert not rm.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=True)
+    assert not common.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=True)
     sft.rmdir()
 
-    args, log, keep = rm.grpo_command(config, essa_run, root, [])
+    args, log, keep = common.grpo_command(config, essa_run, root, [])
     assert f"adapter.path={sft}" in args
     keep[0].parent.mkdir(parents=True)
     for path in keep:
         path.write_text("{}\n")
-    resolved = rm.effective(args, config.read_text())["config"]  # what the run writes
+    resolved = common.effective(args, config.read_text())["config"]  # what the run writes
     (keep[0].parent / "config.yaml").write_text(json.dumps(resolved))
     assert keep[0].parent / "config.yaml" in keep
-    rm.archive(args, log, 300.0, keep)  # GRPO ran once and was archived ...
+    common.archive(args, log, 300.0, keep)  # GRPO ran once and was archived ...
     for path in keep:
         path.unlink()  # ... then the machine was wiped: restorable, so no ESSA run is needed
-    assert not rm.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=True)
-    assert rm.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=False)
+    assert not common.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=True)
+    assert common.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=False)
     config.write_text("sft: {steps: 24}\n")  # another config: the record is not this GRPO
-    assert rm.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=True)
+    assert common.grpo_needs_sft_adapter(config, essa_run, root, [], reuse=True)
 
 
 def test_replay_pins_what_depended_on_the_clock(tmp_path: Path) -> None:
     """--verify reruns the recorded command with its config text, into a new run directory,
     with the plan off, no wall-clock budget and the recorded generation count."""
-    from bench.real_model import pass_scores, replay_args
+    from bench.studies.real_model import pass_scores, replay_args
 
     args = ["train", "runs/x/task.yaml", "--overwrite", "--run-dir", "runs/x/essa-seed0",
             "--set", "run.seed=0"]  # fmt: skip
@@ -566,7 +567,7 @@ def test_replay_pins_what_depended_on_the_clock(tmp_path: Path) -> None:
 def test_drift_columns_pair_essa_and_grpo_per_seed() -> None:
     """The table's drift cells pool per-prompt KL pairs over the GRPO seeds into a ratio; the
     drift table lists each seed's two reports; records without drift reports give "-" / no row."""
-    from bench.real_model import drift_cells, drift_table
+    from bench.studies.real_model import drift_cells, drift_table
 
     def report(kl: list[float], kept: float, update: float, pass_k: float) -> dict:
         return {
@@ -597,7 +598,7 @@ def test_drift_columns_pair_essa_and_grpo_per_seed() -> None:
 
 
 def test_tie_breaker_table_shows_each_factor_and_the_checks_verdict() -> None:
-    from bench.tie_breaker import table
+    from bench.studies.tie_breaker import table
 
     line = {
         "factors": [0.5, 1.0],

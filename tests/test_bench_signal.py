@@ -1,4 +1,4 @@
-"""bench/signal.py's bookkeeping on hand-made runs, and bench/tiny_prm.py's PRM end to end."""
+"""bench/studies/signal.py's bookkeeping on hand-made runs, and bench/studies/tiny_prm.py's PRM end to end."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.signal import curve, rows_to, summarise, table
+from bench.studies.common import curve, rows_to
+from bench.studies.signal import summarise, table
 
 
 def write_run(run_dir: Path, records: list[dict], *sets: str) -> Path:
@@ -59,7 +60,7 @@ def test_rows_to_threshold_and_the_ratio() -> None:
 
 @pytest.mark.slow
 def test_tiny_prm_trains_and_scores_through_the_prm_reward(tmp_path: Path) -> None:
-    from bench.tiny_prm import train_demo_prm
+    from bench.studies.tiny_prm import train_demo_prm
     from essa.rewards import get_reward
 
     stats = train_demo_prm(tmp_path / "prm", steps=20)

@@ -7,12 +7,14 @@ counts, the report naming every benchmark), never speed.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from bench import generation_overhead, optimizer_timing, strategies, suite
+from bench import suite
+from bench.benchmarks import generation_overhead, optimizer_timing, strategies
 from bench.common import median_spread, read_result, record_json, write_result
 
 REPO = Path(__file__).resolve().parent.parent
@@ -196,13 +198,43 @@ def test_sync_tables_renders_a_json_record_with_its_study(tmp_path: Path) -> Non
     assert "| old |" not in fresh and "Gain of ESSA" not in fresh  # table lines only
 
 
+def modules_of(folder: Path) -> set[str]:
+    return {p.stem for p in folder.glob("*.py")} - {"__init__", "__main__"}
+
+
 def test_every_bench_module_is_listed_in_one_place() -> None:
-    """bench/ is a suite: each module is a benchmark of SUITE or ON_DEMAND, a study, or a named
-    helper; a driver listed nowhere is a one-off that would rot."""
-    modules = {p.stem for p in (REPO / "bench").glob("*.py")} - {"__init__", "__main__"}
-    listed = {n for n, _, _ in suite.known()} | {n for n, _ in suite.STUDIES} | set(suite.HELPERS)
-    assert modules - listed == set(), "not listed in bench/suite.py"
-    assert listed - modules == set(), "listed in bench/suite.py but missing"
+    """bench/ separates benchmarks (bench/benchmarks/: SUITE or ON_DEMAND) from studies
+    (bench/studies/: STUDIES); every other module is a named helper. A driver listed nowhere is
+    a one-off that would rot, and a benchmark among the studies (or the reverse) is misfiled."""
+    benchmarks = {n for n, _ in suite.SUITE} | {n for n, _ in suite.ON_DEMAND}
+    studies = {n for n, _ in suite.STUDIES}
+    helpers = set(suite.HELPERS)
+    assert modules_of(REPO / "bench" / "benchmarks") - helpers == benchmarks
+    assert modules_of(REPO / "bench" / "studies") - helpers == studies
+    assert modules_of(REPO / "bench") <= helpers  # the suite and the records it reads
+    found = modules_of(REPO / "bench") | modules_of(REPO / "bench" / "benchmarks")
+    assert helpers <= found | modules_of(REPO / "bench" / "studies")
+
+
+def test_every_driver_runs_by_its_module_path() -> None:
+    """`python -m bench --list` names each driver's module in its own package."""
+    for name, _ in [*suite.SUITE, *suite.ON_DEMAND]:
+        assert suite.module(name) == f"bench.benchmarks.{name}"
+    for name, _ in suite.STUDIES:
+        assert suite.module(name) == f"bench.studies.{name}"
+    assert {n for n, _, _ in suite.known() if suite.kind_of(n) == "study"} == {
+        "demo",
+        "peers",
+        "trl_grpo",
+        "lisa",
+    }  # the studies with report rows
+
+
+def test_benchmarks_never_import_a_study() -> None:
+    """A benchmark stands alone: what it shares with studies lives in bench/common.py."""
+    for path in sorted((REPO / "bench" / "benchmarks").glob("*.py")):
+        imports = re.findall(r"^\s*(?:from|import) (bench\.\w+)", path.read_text(), re.M)
+        assert "bench.studies" not in imports, path.name
 
 
 def test_unknown_benchmark_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -234,7 +266,7 @@ def test_suite_runs_a_module_in_a_fresh_process(
     assert run["exit_code"] == 0, (tmp_path / "runs/bench-suite/optimizer_timing.log").read_text()
     result = read_result("optimizer_timing")
     assert result is not None
-    assert result["command"].startswith("python -m bench.optimizer_timing --dims 10")
+    assert result["command"].startswith("python -m bench.benchmarks.optimizer_timing --dims 10")
     assert result["machine"]["torch_threads"] == 1
     failed = suite.run_one("optimizer_timing", ["--dims", "-5"])
     assert failed["exit_code"] != 0

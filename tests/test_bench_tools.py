@@ -1,4 +1,4 @@
-"""bench.tools' table from a result record and when it trains an SFT adapter (the runs
+"""bench.studies.tools' table from a result record and when it trains an SFT adapter (the runs
 themselves are the bench's)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.tools import cost, step_seconds, summary_table, table
+from bench.studies.tools import cost, step_seconds, summary_table, table
 
 
 def arm(name: str, final: float, tools: dict | None, **cost: float) -> dict:
@@ -65,19 +65,19 @@ def test_an_sft_adapter_trains_once_and_only_for_an_arm_that_must_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An arm the archive restores needs no weights: its SFT adapter is not trained again."""
-    import bench.real_model as rm
-    import bench.tools as tools
+    import bench.studies.common as common
+    import bench.studies.tools as tools
 
-    monkeypatch.setattr(rm, "ARCHIVE", tmp_path / "archive")
+    monkeypatch.setattr(common, "ARCHIVE", tmp_path / "archive")
     trained: list[str] = []
     monkeypatch.setattr(tools, "sft_adapter", lambda *a: trained.append(a[3]))
     root = tmp_path / "runs" / "products"
     root.mkdir(parents=True)
     config = root / "config.yaml"
     config.write_text("sft: {steps: 48}\n")
-    args = argparse.Namespace(reuse=True)
+    args = argparse.Namespace(reuse=True, threads=1)
     sets_ = [f"adapter.path={tools.sft_path(root, 'tool', 0)}"]
-    command = rm.essa_command(config, 0, root, sets_, "tool")
+    command = common.essa_command(config, 0, root, sets_, "tool")
 
     done: set[str] = set()
     tools.arm_adapter(config, 0, root, "tool", [], [command], done, args)
@@ -87,16 +87,16 @@ def test_an_sft_adapter_trains_once_and_only_for_an_arm_that_must_run(
     cmd_args, log, keep = command
     keep[0].parent.mkdir(parents=True)
     (keep[0].parent / "config.yaml").write_text(
-        json.dumps(rm.effective(cmd_args, config.read_text())["config"])
+        json.dumps(common.effective(cmd_args, config.read_text())["config"])
     )
     for path in keep[1:]:
         path.write_text("{}\n")
-    rm.archive(cmd_args, log, 1140.0, keep)  # the arm ran and was archived ...
+    common.archive(cmd_args, log, 1140.0, keep)  # the arm ran and was archived ...
     for path in keep:
         path.unlink()  # ... on another machine: restorable, no SFT
     tools.arm_adapter(config, 0, root, "tool", [], [command], set(), args)
     assert trained == ["tool"]
     tools.arm_adapter(
-        config, 0, root, "tool", [], [command], set(), argparse.Namespace(reuse=False)
+        config, 0, root, "tool", [], [command], set(), argparse.Namespace(reuse=False, threads=1)
     )
     assert trained == ["tool", "tool"]

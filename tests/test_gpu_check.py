@@ -1,4 +1,4 @@
-"""bench/gpu_check.py runs end to end on CPU at tiny shapes (the GPU figures need a GPU)."""
+"""bench/benchmarks/gpu_check.py runs end to end on CPU at tiny shapes (the GPU figures need a GPU)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--tiny", "--out", str(out)],
+        [sys.executable, "-m", "bench.benchmarks.gpu_check", "--device", "cpu", "--tiny", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]

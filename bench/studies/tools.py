@@ -1,6 +1,6 @@
 """Tool-integrated reasoning on a real model: text-only ESSA, tool-integrated ESSA and GRPO.
 
-    python -m bench.tools [--seeds 0 1 2] [--tasks products count_bits] [--budget 1140]
+    python -m bench.studies.tools [--seeds 0 1 2] [--tasks products count_bits] [--budget 1140]
                           [--no-grpo] [--set k=v] [--reuse]
 
 Per reasoning-gym task (where exact computation helps a 135M model) and seed, from
@@ -39,19 +39,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import write_result
-from bench.real_model import (
-    RESULTS,
+from bench.common import RESULTS, write_result
+from bench.studies.common import (
     essa_command,
     essa_seed,
     grpo_command,
     grpo_seed,
     must_run,
+    over_seeds,
     paired,
-    pooled,
-    sets,
+    passes,
+    sft_adapter,
+    sft_path,
     task_config,
-    timed,
 )
 
 TASKS: dict[str, dict[str, Any]] = {
@@ -87,22 +87,6 @@ def arm_record(arm: str, run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def sft_path(root: Path, name: str, seed: int) -> Path:
-    """Where :func:`sft_adapter` writes ``name``'s adapter (the arms' ``adapter.path``)."""
-    return (root / f"sft-{name}-seed{seed}" / "sft_adapter").resolve()
-
-
-def sft_adapter(config: Path, seed: int, root: Path, name: str, sets_: list[str],
-                args: argparse.Namespace) -> None:  # fmt: skip
-    """``essa sft`` for the config's steps into :func:`sft_path`: the adapter every arm of
-    ``name`` starts from."""
-    adapter = sft_path(root, name, seed)
-    cli = ["sft", str(config), "--overwrite", "--run-dir", str(adapter.parent),
-           "--set", f"run.seed={seed}", *sets(sets_)]  # fmt: skip
-    timed(cli, adapter / "adapter_model.safetensors", root / f"sft-{name}-seed{seed}.log",
-          args.threads, args.reuse)  # fmt: skip
-
-
 def arm_adapter(config: Path, seed: int, root: Path, name: str, sets_: list[str],
                 commands: list[tuple[list[str], Path, list[Path]]], trained: set[str],
                 args: argparse.Namespace) -> None:  # fmt: skip
@@ -112,14 +96,14 @@ def arm_adapter(config: Path, seed: int, root: Path, name: str, sets_: list[str]
     if name in trained or not any(must_run(*command, args.reuse) for command in commands):
         return
     print(f"[tools] {root.name} seed {seed}: {name} SFT adapter ...", flush=True)
-    sft_adapter(config, seed, root, name, sets_, args)
+    sft_adapter(config, seed, root, name, sets_, args.threads, args.reuse)
     trained.add(name)
 
 
 def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.root) / task
     config = task_config(task, TASKS[task], root)
-    # No extra held-out pass for the scale baseline inside the budget (bench.real_model asks
+    # No extra held-out pass for the scale baseline inside the budget (bench.studies.real_model asks
     # for one); the search still starts from the plan's bounded scaled start.
     budget = [f"run.max_wall_seconds={args.budget}", "evaluation.use_scale_baseline=false",
               *args.overrides]  # fmt: skip
@@ -155,9 +139,7 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
         "params": TASKS[task],
         "arms": {arm: runs for arm, runs in arms.items() if runs},
         "pooled": {
-            arm: pooled([{"g": r["vs_sft"]} for r in runs], "g")
-            for arm, runs in arms.items()
-            if runs
+            arm: over_seeds([r["vs_sft"] for r in runs]) for arm, runs in arms.items() if runs
         },
         "tool_vs_text": [paired_finals(root, "tool", "text", seed) for seed in args.seeds],
     }
@@ -165,8 +147,6 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def paired_finals(root: Path, a: str, b: str, seed: int) -> dict[str, float]:
     """Final held-out scores of run ``a`` against run ``b`` on the same items (paired)."""
-    from bench.real_model import passes
-
     return paired(
         passes(root / f"{a}-seed{seed}")["final"], passes(root / f"{b}-seed{seed}")["final"]
     )
@@ -243,7 +223,9 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     for task in args.tasks:
         result["tasks"][task] = run_task(task, args)
-    write_result(args.out, result, ("python -m bench.tools " + " ".join(sys.argv[1:])).strip())
+    write_result(
+        args.out, result, ("python -m bench.studies.tools " + " ".join(sys.argv[1:])).strip()
+    )
     (RESULTS / f"{args.out}.md").write_text(table(result) + "\n")
     (RESULTS / f"{args.out}_summary.md").write_text(summary_table(result) + "\n")
     print(table(result))

@@ -1,6 +1,6 @@
 """ESSA evaluation on vLLM (per-request LoRA) against plain vLLM and the HF backend.
 
-    .venv-vllm/bin/python -m bench.vllm_throughput [--model DIR] [--candidates 16]
+    .venv-vllm/bin/python -m bench.benchmarks.vllm_throughput [--model DIR] [--candidates 16]
         [--prompts 64] [--new-tokens 8] [--repeats 3] [--dtype float32] [--no-hf]
         [--no-prefix-cache] [--plain-eager] [--template chat] [--output FILE]
 
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 RESULTS = Path("bench/results")
-DEMO = Path(__file__).resolve().parent.parent / "essa" / "data" / "demo"
+DEMO = Path(__file__).resolve().parents[2] / "essa" / "data" / "demo"
 
 
 def parse_args() -> argparse.Namespace:
@@ -203,7 +203,7 @@ def report(
 
     rate = {name: tokens / seconds for name, (seconds, tokens) in best.items()}
     result: dict[str, Any] = {
-        "command": "python -m bench.vllm_throughput "
+        "command": "python -m bench.benchmarks.vllm_throughput "
         + " ".join(
             f"--{k.replace('_', '-')} {v}"
             for k, v in vars(args).items()

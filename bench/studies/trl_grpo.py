@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer on our task, model, SFT start, reward and budget (a bench-only peer).
 
-    python -m bench.trl_grpo [--config configs/grpo_demo.yaml] [--set k=v ...] [--run-dir DIR]
+    python -m bench.studies.trl_grpo [--config configs/grpo_demo.yaml] [--set k=v ...] [--run-dir DIR]
 
 Reads an essa-align GRPO config (the same file and ``--set`` overrides `essa train` takes),
 builds the same base model, SFT adapter (``adapter.path``, else the SFT stage trained exactly as
@@ -12,7 +12,7 @@ own evaluation code (``essa.gradient.heldout.heldout_accuracy``'s helpers) befor
 ``metrics.jsonl`` and ``summary.json`` in our format (so ``essa compare`` reads it next to ESSA
 and GRPO runs) and the trained adapter; bench/results/trl_grpo.json gets the summary, the TRL
 arguments used and the mismatches below. Peak RSS is this process's VmHWM: run it in a fresh
-process (as bench/peers.py does) for a number that compares.
+process (as bench/studies/peers.py does) for a number that compares.
 
 Settings mapped one to one: G (``num_generations``), prompts per step x G completions per
 optimizer step (``per_device_train_batch_size`` x ``gradient_accumulation_steps``), learning
@@ -49,7 +49,6 @@ from typing import Any
 
 from bench.common import row, write_result
 
-RESULTS = Path("bench/results")
 TRL_LOSSES = ("grpo", "dr_grpo", "dapo")
 MISMATCHES = [
     "dapo dynamic sampling (resampling all-equal groups) is not in TRL: all groups are trained on",
@@ -311,13 +310,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--run-dir", type=Path, default=Path("runs/bench-trl-grpo"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
-        "--no-result", action="store_true", help="only the run dir (bench/peers.py runs it so)"
+        "--no-result",
+        action="store_true",
+        help="only the run dir (bench/studies/peers.py runs it so)",
     )
     return parser.parse_args(argv)
 
 
 def command_line(args: argparse.Namespace) -> str:
-    parts = ["python -m bench.trl_grpo", f"--threads {args.threads}", f"--run-dir {args.run_dir}"]
+    parts = [
+        "python -m bench.studies.trl_grpo",
+        f"--threads {args.threads}",
+        f"--run-dir {args.run_dir}",
+    ]
     if args.config is not None:
         parts.append(f"--config {args.config}")
     parts += [f"--set {o}" for o in args.overrides]

@@ -1,6 +1,6 @@
 """The search's drift budget on and off: on-task gain against off-task drift, one plot.
 
-    python -m bench.drift_budget [--config CONFIG] [--seeds 0 1 2] [--set k=v] [--reuse]
+    python -m bench.studies.drift_budget [--config CONFIG] [--seeds 0 1 2] [--set k=v] [--reuse]
 
 Per seed, ``essa train`` (the embedded demo unless ``--config``) once per arm, each in a fresh
 process, the same config and seed otherwise:
@@ -30,8 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import compact_png, write_result
-from bench.real_model import RESULTS, paired, passes, pooled, sets, timed
+from bench.common import RESULTS, compact_png, write_result
+from bench.studies.common import paired, passes, pooled, sets, timed
 
 ARMS: dict[str, list[str]] = {
     "off": [],
@@ -164,7 +164,7 @@ def main() -> None:
     args = parse_args()
     runs = [r for seed in args.seeds for r in run_seed(args, seed)]
     summary = summarise(runs)
-    command = ("python -m bench.drift_budget " + " ".join(sys.argv[1:])).strip()
+    command = ("python -m bench.studies.drift_budget " + " ".join(sys.argv[1:])).strip()
     write_result(args.out, {"runs": runs, "arms": summary}, command)
     (RESULTS / f"{args.out}.md").write_text(table(summary) + "\n")
     plot(runs, RESULTS / f"{args.out}.png")

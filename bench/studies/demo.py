@@ -1,6 +1,6 @@
 """The embedded demo over several seeds: the before/after table and the accuracy curve.
 
-    python -m bench.demo [--seeds 0 1 2] [--set key=value ...]
+    python -m bench.studies.demo [--seeds 0 1 2] [--set key=value ...]
 
 Runs `essa train` (the embedded default config, plus any --set overrides) once per seed in a
 fresh process, then writes bench/results/demo.json, bench/results/demo.png (held-out accuracy
@@ -11,57 +11,13 @@ split, which no choice in training ever looks at.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Row, compact_png, median_spread, row, write_result
-
-RESULTS = Path("bench/results")
-
-
-def run_seed(seed: int, overrides: list[str], root: Path) -> dict[str, Any]:
-    run_dir = root / f"seed{seed}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "essa.cli",
-        "train",
-        "--overwrite",
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        f"run.seed={seed}",
-        "--set",
-        "run.show_progress=false",
-    ]
-    for item in overrides:
-        cmd += ["--set", item]
-    start = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
-    wall = time.perf_counter() - start
-    if res.returncode != 0:
-        raise SystemExit(f"seed {seed} failed:\n{res.stderr[-3000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    curve = [
-        (r["generation"] + 1, r["heldout_accuracy"]) for r in records if "heldout_accuracy" in r
-    ]
-    # Generation 0 includes auto's one-off strategy probe: left out of the median.
-    seconds = [r["seconds"] for r in records if r.get("generation", -1) >= 1 and "seconds" in r]
-    return {
-        "seed": seed,
-        "summary": summary,
-        "command_wall_seconds": wall,
-        "generation_seconds": median_spread(seconds) if seconds else None,
-        "curve": curve,
-    }
+from bench.common import RESULTS, Row, compact_png, row, write_result
+from bench.studies.common import train_demo
 
 
 def mean_spread(values: list[float]) -> str:
@@ -168,10 +124,10 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--runs", type=Path, default=Path("runs/bench-demo"))
     args = parser.parse_args()
-    runs = [run_seed(seed, args.overrides, args.runs) for seed in args.seeds]
+    runs = [train_demo(seed, args.overrides, args.runs) for seed in args.seeds]
     RESULTS.mkdir(parents=True, exist_ok=True)
     command = (
-        "python -m bench.demo --seeds "
+        "python -m bench.studies.demo --seeds "
         + " ".join(map(str, args.seeds))
         + "".join(f" --set {o}" for o in args.overrides)
     )

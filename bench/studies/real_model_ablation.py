@@ -1,10 +1,10 @@
 """Signal per CPU-second on the real model: one change at a time.
 
-    python -m bench.real_model_ablation [--task chain_sum] [--seeds 0 1 2] [--arms ...]
+    python -m bench.studies.real_model_ablation [--task chain_sum] [--seeds 0 1 2] [--arms ...]
 
-Each arm is a whole ``essa train`` of bench/real_model.py's task config (SFT, scale baseline,
+Each arm is a whole ``essa train`` of bench/studies/real_model.py's task config (SFT, scale baseline,
 search, final held-out; the same 20-minute budget) with one setting changed from the shipped
-``configs/smollm2.yaml``. The default arm is bench/real_model.py's own ESSA run of the seed and is
+``configs/smollm2.yaml``. The default arm is bench/studies/real_model.py's own ESSA run of the seed and is
 reused from its ``--root`` when it has finished there (``--reuse``). Each arm is compared with
 the default arm of the same seed on the same held-out items (paired), and its held-out gain
 over its own SFT adapter per wall-minute (2 cores) is reported.
@@ -13,19 +13,19 @@ The per-prompt switches (GRESO, hints) on the real model are arms too (``pool_gr
 they act on a prompt's own history, which needs prompts that come back, so they and their
 baseline ``pool`` train on a 128-prompt pool and are paired with ``pool``::
 
-    python -m bench.real_model_ablation --arms pool pool_greso --baseline pool \
+    python -m bench.studies.real_model_ablation --arms pool pool_greso --baseline pool \
         --out real_model_signal --reuse
 
-Their rows also give rows generated, rows per point of held-out gain, bench.signal's
+Their rows also give rows generated, rows per point of held-out gain, bench.studies.signal's
 rows-to-threshold ratio (baseline / arm) and the prompts skipped and hinted.
 
 Where every run has a drift report (docs/drift.md), the table adds the final solutions'
 off-task KL(base || tuned) and its ratio to the baseline arm's and to the archived GRPO runs'
-of the same seeds (``bench.real_model --grpo-seeds``, same SFT adapter), per-prompt pairs pooled
+of the same seeds (``bench.studies.real_model --grpo-seeds``, same SFT adapter), per-prompt pairs pooled
 over seeds with a delta-method SE. The drift-budget arms (``drift_anchor``,
 ``drift_kl_penalty``) are measured that way::
 
-    python -m bench.real_model_ablation --arms drift_anchor --out real_model_drift_budget --reuse
+    python -m bench.studies.real_model_ablation --arms drift_anchor --out real_model_drift_budget --reuse
 
 An archived record is matched by its config with today's defaults filled in, so an arm whose
 setting has since become the default would be restored from the older default run; ``--fresh``
@@ -45,19 +45,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import write_result
-from bench.real_model import (
+from bench.common import RESULTS, write_result
+from bench.studies.common import (
     ALL_TASKS,
     ARCHIVE,
+    curve,
     essa_seed,
+    geomean,
     paired,
     pooled_kl_ratio,
     read_archive,
+    rows_per_step,
+    rows_ratio,
     task_config,
 )
-from bench.signal import curve, geomean, rows_per_step, rows_ratio
 
-RESULTS = Path("bench/results")
 POOL = ["data.train_size=128"]
 ARMS: dict[str, list[str]] = {
     "default": [],
@@ -134,7 +136,7 @@ def prompt_signal(run_dir: Path, final: float) -> dict[str, Any]:
 
 
 def rows_summary(arm: list[dict], base: list[dict]) -> dict[str, Any]:
-    """Rows per unit of held-out gain, and rows-to-threshold base / arm (bench.signal's: the rows
+    """Rows per unit of held-out gain, and rows-to-threshold base / arm (bench.studies.signal's: the rows
     until the curve first reaches SFT + 90% of the baseline run's final gain, same seed)."""
     ratios = [
         rows_ratio(
@@ -186,7 +188,7 @@ def drift_reports(runs: list[dict]) -> list[dict[str, Any]] | None:
 
 
 def archived_grpo(task: str, seeds: list[int]) -> list[dict[str, Any]] | None:
-    """The drift reports of the archived GRPO runs of ``seeds`` (bench.real_model's, from each
+    """The drift reports of the archived GRPO runs of ``seeds`` (bench.studies.real_model's, from each
     seed's SFT adapter); None unless every seed has one."""
     records = read_archive(ARCHIVE / f"{task}.jsonl.xz")
     runs = []
@@ -314,7 +316,7 @@ def main() -> None:
         },  # fmt: skip
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    command = "python -m bench.real_model_ablation " + " ".join(sys.argv[1:])
+    command = "python -m bench.studies.real_model_ablation " + " ".join(sys.argv[1:])
     stem = args.out or "real_model_ablation" + ("" if args.task == "chain_sum" else f"_{args.task}")
     write_result(stem, result, command.strip())
     (RESULTS / f"{stem}.md").write_text(table(result) + "\n")

@@ -1,6 +1,6 @@
 """ESSA on 1 rank vs N MPI ranks, same evaluation-bound config, side by side in one run.
 
-    python -m bench.mpi_scaling [--ranks 2] [--generations 20] [--repeats 2]
+    python -m bench.benchmarks.mpi_scaling [--ranks 2] [--generations 20] [--repeats 2]
 
 Three setups, interleaved over the repeats so drift in machine load hits all alike:
 
@@ -192,7 +192,7 @@ def main() -> None:
     first = results["1x1"][0]["fitness"]
     same = all(r["fitness"] == first for rs in results.values() for r in rs)
     report = {
-        "command": f"python -m bench.mpi_scaling --ranks {n} --generations "
+        "command": f"python -m bench.benchmarks.mpi_scaling --ranks {n} --generations "
         f"{args.generations} --repeats {args.repeats} --population {args.population}",
         "seconds_per_generation": sec,
         "speedup_ranks_vs_one_rank_one_core": sec["1x1"] / sec[f"{n}x1"],

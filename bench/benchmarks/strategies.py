@@ -1,6 +1,6 @@
 """Population-batched vs merged evaluation, and what `auto` picks, side by side in one run.
 
-    python -m bench.strategies [--populations 8 32 64] [--prompts 16 64 256] [--repeats 2]
+    python -m bench.benchmarks.strategies [--populations 8 32 64] [--prompts 16 64 256] [--repeats 2]
                                [--max-sequences 8192] [--merged-candidates 8] [--threads 2]
 
 For each (population P, prompts N) cell, both strategies generate the same completions (checked)
@@ -201,7 +201,7 @@ def main() -> None:
                 flush=True,
             )
     command = (
-        f"python -m bench.strategies --populations {' '.join(map(str, args.populations))} "
+        f"python -m bench.benchmarks.strategies --populations {' '.join(map(str, args.populations))} "
         f"--prompts {' '.join(map(str, args.prompts))} --repeats {args.repeats} "
         f"--max-sequences {args.max_sequences} --merged-candidates {args.merged_candidates} "
         f"--threads {args.threads}"

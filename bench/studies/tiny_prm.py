@@ -1,6 +1,6 @@
 """A tiny process-reward model for the demo task, trained in-process (no PRM weights download).
 
-    python -m bench.tiny_prm OUT_DIR [--steps 1500]
+    python -m bench.studies.tiny_prm OUT_DIR [--steps 1500]
 
 A 2-layer Qwen2 token classifier (hidden 128) on the demo's character tokenizer, trained from
 scratch to tell a right sum from the demo model's typical error (one too high or one too low) at
@@ -20,7 +20,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-DEMO = Path(__file__).resolve().parent.parent / "essa" / "data" / "demo"
+DEMO = Path(__file__).resolve().parents[2] / "essa" / "data" / "demo"
 
 
 def labelled(prompts_answers: list[tuple[str, str]], rng: random.Random) -> list[tuple[str, int]]:

@@ -1,6 +1,6 @@
 """A short mutation pass over essa/optimizers, essa/adapters and essa/rewards (docs/testing.md).
 
-    nice -n 10 python -m bench.mutation [--per-module 5] [--seed 0] [--timeout 60]
+    nice -n 10 python -m bench.studies.mutation [--per-module 5] [--seed 0] [--timeout 60]
                                         [--packages optimizers adapters rewards] [--only PATH]
 
 Hand-written, numpy/pytest only (no mutmut). For each module, every mutation site is listed from
@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("optimizers", "adapters", "rewards")
 # Per package: the fast tests that exercise it (slow/mpi end-to-end runs excluded).
 TESTS: dict[str, list[str]] = {
@@ -316,7 +316,7 @@ def report(results: list[Mutant], baseline: dict[str, float], args: argparse.Nam
     total = len(results)
     share = len(survivors) / total if total else 0.0
     command = (
-        f"python -m bench.mutation --per-module {args.per_module} --seed {args.seed} "
+        f"python -m bench.studies.mutation --per-module {args.per_module} --seed {args.seed} "
         f"--timeout {args.timeout:g} --packages {' '.join(args.packages)}"
     )
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,9 @@
 """The reference tie-breaker along the scaled line: does it rise where the reward does?
 
-    python -m bench.tie_breaker [--tasks number_format ...] [--root runs/bench-real-model]
+    python -m bench.studies.tie_breaker [--tasks number_format ...] [--root runs/bench-real-model]
                                 [--seed 0] [--prompts 64]
 
-For each task, the SFT adapter of a finished ``bench.real_model`` run (``<root>/<task>/
+For each task, the SFT adapter of a finished ``bench.studies.real_model`` run (``<root>/<task>/
 essa-seed<seed>/sft_adapter``) is scaled uniformly (the scale baseline's line, s_B -> f s_B) and
 each factor answers the same training prompts (drawn with a fixed generator; the held-out split
 is never read), greedy, as a generation does. Per factor: the task's reward, the reference
@@ -127,15 +127,17 @@ def main() -> None:
     runs = {t: Path(args.root) / t / f"essa-seed{args.seed}" for t in args.tasks}
     missing = [str(d) for d in runs.values() if not (d / "sft_adapter").is_dir()]
     if missing:
-        raise SystemExit(f"bench.tie_breaker: no SFT adapter in {', '.join(missing)} "
-                         "(run bench.real_model for these tasks first)")  # fmt: skip
+        raise SystemExit(f"bench.studies.tie_breaker: no SFT adapter in {', '.join(missing)} "
+                         "(run bench.studies.real_model for these tasks first)")  # fmt: skip
     result = {"tasks": {}}
     for task, run_dir in runs.items():
         print(f"[tie_breaker] {task} ...", flush=True)
         result["tasks"][task] = along_the_line(run_dir, args.prompts)
     md = table(result)
     print(md)
-    write_result("tie_breaker", result, " ".join(["python -m bench.tie_breaker", *sys.argv[1:]]))
+    write_result(
+        "tie_breaker", result, " ".join(["python -m bench.studies.tie_breaker", *sys.argv[1:]])
+    )
     Path("bench/results/tie_breaker.md").write_text(md + "\n")
 
 

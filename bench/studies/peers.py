@@ -1,6 +1,6 @@
 """ESSA, our GRPO and TRL's GRPOTrainer side by side on the demo task: one table, one plot.
 
-    python -m bench.peers [--grpo-config configs/grpo_demo.yaml] [--seeds 0 1] [--set k=v ...]
+    python -m bench.studies.peers [--grpo-config configs/grpo_demo.yaml] [--seeds 0 1] [--set k=v ...]
 
 Per seed, three fresh processes one after the other, each with ``--threads`` threads:
 1. ESSA: `essa train --essa-config` (trains the SFT adapter and saves it in its run dir);
@@ -8,7 +8,7 @@ Per seed, three fresh processes one after the other, each with ``--threads`` thr
    ``algorithm=grpo``, 8 prompts x G=8 per step; ``--grpo-config configs/grpo_demo.yaml`` is
    the equal-generated-token budget, 64 x 16 per step) from ESSA's SFT adapter
    (``adapter.path``), so all three start from the very same weights;
-3. TRL: `python -m bench.trl_grpo` on the same GRPO config and SFT adapter (see that module
+3. TRL: `python -m bench.studies.trl_grpo` on the same GRPO config and SFT adapter (see that module
    for the settings mapped and the mismatches left).
 ``--set`` overrides go to all three (e.g. ``run.generations=30``). Every run writes our
 metrics.jsonl/summary.json, so the curves (held-out accuracy vs cumulative training seconds and
@@ -45,7 +45,7 @@ def commands(args: argparse.Namespace, seed: int, root: Path) -> dict[str, list[
                "--run-dir", str(run_dir), "--set", f"model.num_threads={args.threads}"]  # fmt: skip
         return cmd + [x for s in sets for x in ("--set", s)]
 
-    trl = [sys.executable, "-m", "bench.trl_grpo", "--no-result", "--threads", str(args.threads),
+    trl = [sys.executable, "-m", "bench.studies.trl_grpo", "--no-result", "--threads", str(args.threads),
            "--config", str(grpo_config), "--run-dir", str(root / "trl")]  # fmt: skip
     return {
         "essa": essa_train(args.essa_config, root / "essa", common),
@@ -165,7 +165,7 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     seeds = [run_seed(args, seed) for seed in args.seeds]
     command = (
-        f"python -m bench.peers --threads {args.threads} --seeds {' '.join(map(str, args.seeds))}"
+        f"python -m bench.studies.peers --threads {args.threads} --seeds {' '.join(map(str, args.seeds))}"
         + (f" --grpo-config {args.grpo_config}" if args.grpo_config else "")
         + f" --target {args.target:g}"
         + "".join(f" --set {o}" for o in args.overrides)

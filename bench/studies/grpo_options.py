@@ -1,6 +1,6 @@
 """The gradient backend's seed-method options on the demo, each beside plain GRPO, 3 seeds.
 
-    python -m bench.grpo_options [--seeds 0 1 2] [--budget 75] [--options replay ...]
+    python -m bench.studies.grpo_options [--seeds 0 1 2] [--budget 75] [--options replay ...]
 
 Every run is ``essa train`` on the embedded demo (its SFT adapter, 8 prompts x G=8 per step,
 lr 1e-3 held constant) in a fresh process with the same wall-clock budget
@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import launch, read_result, write_result
-from bench.real_model import paired, passes
+from bench.common import RESULTS, launch, read_result, write_result
+from bench.studies.common import over_seeds, paired, passes
 
-RESULTS = Path("bench/results")
 COMMON = [
     "algorithm=grpo",
     "grpo.lr_schedule=constant",  # the step count is set by the budget, not known up front
@@ -91,13 +89,13 @@ def run(
 
 def summarise(runs: list[dict], plain: list[dict]) -> dict[str, Any]:
     diffs = [paired(r["scores"], p["scores"]) for r, p in zip(runs, plain, strict=True)]
-    se = math.sqrt(sum(d["se"] ** 2 for d in diffs)) / len(diffs)
+    vs_grpo = over_seeds(diffs)
     return {
         "final": statistics.mean(r["final"] for r in runs),
         "per_seed_final": [r["final"] for r in runs],
         "steps": [r["steps"] for r in runs],
-        "vs_grpo": statistics.mean(d["gain"] for d in diffs),
-        "vs_grpo_se": se,
+        "vs_grpo": vs_grpo["gain"],
+        "vs_grpo_se": vs_grpo["se"],
     }
 
 
@@ -160,7 +158,9 @@ def main() -> None:
         "runs": {**{o: previous["runs"][o] for o in kept}, **fresh_runs},
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    write_result("grpo_options", result, "python -m bench.grpo_options " + " ".join(sys.argv[1:]))
+    write_result(
+        "grpo_options", result, "python -m bench.studies.grpo_options " + " ".join(sys.argv[1:])
+    )
     (RESULTS / "grpo_options.md").write_text(table(result) + "\n")
     print(table(result))
 
