@@ -187,7 +187,7 @@ def test_long_rows_split_into_more_micro_batches_give_the_same_update(
     micro-batch does: the losses divide by the step's counts, not a micro-batch's."""
     from essa.gradient import losses
     from essa.gradient import policy as policy_module
-    from essa.recipes import grpo
+    from essa.gradient.update import policy_update
 
     peft_model, tokenizer = tiny_lora
     cfg = grpo_cfg(beta=0.04)
@@ -203,7 +203,9 @@ def test_long_rows_split_into_more_micro_batches_give_the_same_update(
         monkeypatch.setattr(policy_module, "LOGITS_PER_MICRO_BATCH", logits_budget)
         policy = Policy.build(copy.deepcopy(peft_model), "lora", 1.0)
         optimizer = torch.optim.AdamW(policy.params, lr=1e-2)
-        record = grpo._update(cfg, variant, policy, optimizer, batch, advantages, mask, counts, 0)
+        record = policy_update(
+            cfg.grpo, variant, policy, optimizer, batch, advantages, mask, counts, 0
+        )
         return [p.detach().clone() for p in policy.params], record["micro_batches"]
 
     whole, one = updated(2**40)

@@ -18,6 +18,8 @@ Deviations from the paper: phi is a LoRA copy, not a full model; its log-probs u
 PRIME's accuracy band; the process baseline is the paper's eq. (5) leave-one-out mean (verl's
 ``masked_rloo`` adds (r_t - mean_i)/(K - 1)); a non-binary reward is clipped to [0, 1] as a
 soft label; ungradable (None) rewards take no part in the PRM loss and get outcome advantage 0.
+
+In the GRPO step, :class:`ProcessAdvantages` is the advantage hook (essa/gradient/hooks.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import Tensor
 
 from essa.config import GRPOConfig, PrimeConfig
 from essa.gradient.checkpoint import Trained
+from essa.gradient.hooks import Record, RowAdvantages, StepBatch
 from essa.gradient.policy import Policy, Rollout, micro_batches, select, token_logprobs
 from essa.gradient.schedule import clip_gradients
 
@@ -191,6 +194,20 @@ class ImplicitPRM:
         """phi and its AdamW, as the checkpoint stores them beside the policy."""
         missing = "the checkpoint has no implicit PRM (the run started without grpo.prime.enabled)"
         return Trained("prime", self.params, self.optimizer, missing)
+
+
+@dataclass(frozen=True)
+class ProcessAdvantages:
+    """``grpo.prime`` as an advantage hook: PRIME's token advantages (B, T) replace the group's
+    (the rows kept stay the variant's); logs prm_loss, process_reward and prm_accuracy."""
+
+    prm: ImplicitPRM
+    policy: Policy
+    g: GRPOConfig  # grpo.grad_accumulation and grpo.max_grad_norm, for the PRM's own step
+
+    def __call__(self, adv: RowAdvantages, rows: StepBatch) -> tuple[RowAdvantages, Record]:
+        values, metrics = self.prm.step(self.policy, rows.rollout, rows.rewards, self.g)
+        return RowAdvantages(values, adv.keep), dict(metrics)
 
 
 def _metrics(token_rewards: Tensor, labels: Tensor, loss: float | None) -> dict[str, float | None]:

@@ -13,6 +13,9 @@ own on compare with the whole completion: a bad first step is the whole completi
 bad late step only its own and the later ones'. Steps are character spans of the decoded text;
 a token belongs to the first step whose end lies after the token's first character (tokens
 after the last step, such as EOS, to the last step).
+
+In the GRPO step, :func:`step_credit_advantages` is the advantage hook (essa/gradient/hooks.py):
+the credit comes from the sampling's PRM pass (essa/gradient/sampling.py), so no model runs here.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from essa.errors import UserError
+from essa.gradient.hooks import Record, RowAdvantages, StepBatch
 from essa.gradient.policy import Rollout
 from essa.rewards.base import Reward
 
@@ -97,3 +101,10 @@ def with_step_credit(
     padded = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in credit])
     tokens = mask.sum().clamp(min=1)
     return values[:, None] + padded, float((padded.abs() * mask).sum() / tokens)
+
+
+def step_credit_advantages(adv: RowAdvantages, rows: StepBatch) -> tuple[RowAdvantages, Record]:
+    """``grpo.prm_credit: step`` as an advantage hook: the group advantages (B,) become
+    ``A_i + w_p (G_k(t) - G_1)`` (B, T); logs prm_step_credit, the mean |credit| per token."""
+    values, moved = with_step_credit(adv.values, rows.credit, rows.rollout.mask)
+    return RowAdvantages(values, adv.keep), {"prm_step_credit": moved}

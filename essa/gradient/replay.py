@@ -21,7 +21,7 @@ Deviations from RLEP:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +88,34 @@ class ReplayBuffer:
             for p, ids, r, t in data
         ]
         return cls(capacity, entries)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """RLEP in the GRPO step: the buffer sample_groups draws replays from; :meth:`end` is the
+    sampling hook (essa/gradient/hooks.py) that stores the step's fresh successes."""
+
+    buffer: ReplayBuffer
+
+    @classmethod
+    def build(cls, r: ReplayConfig, state: dict[str, Any]) -> Replay | None:
+        """The hook when ``grpo.replay.capacity`` is set, on the buffer in the run state."""
+        return cls(ReplayBuffer.from_json(r.capacity, state["replay"])) if r.capacity else None
+
+    def end(
+        self,
+        replays: Sequence[Sequence[Experience]],
+        found: Sequence[Experience],
+        state: dict[str, Any],
+    ) -> dict[str, Any]:
+        """replayed, replay_added, replay_buffer_size; the buffer into ``state`` (JSON)."""
+        record = {
+            "replayed": sum(len(r) for r in replays),
+            "replay_added": self.buffer.add(found),  # after drawing: replays are from past steps
+            "replay_buffer_size": len(self.buffer.entries),
+        }
+        state["replay"] = self.buffer.to_json()
+        return record
 
 
 def mixed_group_rewards(
@@ -239,3 +267,20 @@ def seeded_buffer(
         f"{report.failed} below min_reward {r.min_reward})"
     )
     return buffer.to_json(), line
+
+
+def first_buffer(
+    r: ReplayConfig,
+    tokenizer: Any,
+    train: Sequence[Any],
+    train_prompts: Sequence[str],
+    reward: Reward,
+    say: Callable[[str], None],
+) -> list[Any]:
+    """A fresh run's buffer, as JSON: seeded from ``grpo.replay.seed_file`` (saying what was
+    kept), else empty."""
+    if r.seed_file is None:
+        return []
+    buffer, line = seeded_buffer(r, tokenizer, train, train_prompts, reward)
+    say(line)
+    return buffer

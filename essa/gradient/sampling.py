@@ -12,6 +12,9 @@ while sampling plugged in here:
 * PRM step credit (``grpo.prm_credit: step``, essa/gradient/prm_credit.py), taken from the
   same PRM pass as the rewards;
 * the staged temperature (``grpo.temperature_schedule``) and 1-shot RLVR's repeated prompt.
+
+:func:`step_batch` lays the kept groups out as the rows the step's hooks see
+(essa/gradient/hooks.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from essa import seeding
 from essa.config import GRPOConfig
 from essa.gradient import cure, losses, replay
 from essa.gradient.data import TaskData, draw
+from essa.gradient.hooks import StepBatch
 from essa.gradient.policy import Policy, Rollout, Sampling, merge, rollout, select
 from essa.gradient.prm_credit import step_credit
 from essa.gradient.tool_rollout import tool_rollout
@@ -216,3 +220,11 @@ def training_batch(
         group_index = torch.cat([group_index, torch.tensor([i for i, _, _ in replayed])])
         slot = torch.cat([slot, torch.tensor([group_size + j for _, j, _ in replayed])])
     return merge(parts, tokenizer.pad_token_id), group_index, slot
+
+
+def step_batch(groups: Groups, data: TaskData, tokenizer: Any, group_size: int) -> StepBatch:
+    """The kept groups as the step's training rows (:func:`training_batch`), with their
+    (N, G + k) rewards, prompts and PRM step credit."""
+    batch, group_index, slot = training_batch(groups, data, tokenizer, group_size)
+    rewards = torch.cat(groups.rewards)  # (N, G + k)
+    return StepBatch(batch, rewards, groups.prompt_ids, group_index, slot, groups.credit)

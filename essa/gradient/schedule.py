@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -27,6 +27,12 @@ def lr_factor(step: int, total: int, warmup: int = 0, schedule: Schedule = "cosi
     if schedule == "linear":
         return 1.0 - frac
     return 1.0
+
+
+def set_lr(param_groups: Sequence[dict[str, Any]], lr: float) -> None:
+    """Every parameter group's learning rate to ``lr`` (an optimizer's ``param_groups``)."""
+    for group in param_groups:
+        group["lr"] = lr
 
 
 def clip_gradients(params: Sequence[torch.Tensor], max_norm: float) -> float:

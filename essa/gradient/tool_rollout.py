@@ -11,7 +11,8 @@ token is scored with the output in its context (``attention_mask`` 1 on them).
 SimpleTIR's filter (``tools.python.drop_void_turns``): a trajectory with a void turn, one that
 ends with neither a closed code block nor an answer, gets mask 0 everywhere (no gradient);
 its reward still counts in its group's mean and std. "An answer" here: the turn ended on a stop
-token and its text has one by :func:`essa.rewards.extract.extract_answer`.
+token and its text has one by :func:`essa.rewards.extract.extract_answer`. In the GRPO step the
+filter is a mask hook (essa/gradient/hooks.py), :func:`void_rows`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from essa import seeding
 from essa.backends.stops import ToolCallStop, stop_token_ids
+from essa.gradient.hooks import Record, no_rows
 from essa.gradient.policy import Policy, Rollout, Sampling, rollout_from_ids
 from essa.tools.turns import Transcript, run_turns
 
@@ -114,3 +116,12 @@ def void_turns(transcripts: Sequence[Transcript]) -> torch.Tensor:
         [any(void(e, x) for e, x in zip(t.ends, t.turns, strict=True)) for t in transcripts],
         dtype=torch.bool,
     )
+
+
+def void_rows(batch: Rollout) -> tuple[torch.Tensor, Record]:
+    """``tools.python.drop_void_turns`` as a mask hook: the (B,) void trajectories, and their
+    count as void_trajectories (nothing for a batch without transcripts)."""
+    if batch.transcripts is None:
+        return no_rows(batch), {}
+    void = void_turns(batch.transcripts)  # (B,)
+    return void, {"void_trajectories": int(void.sum())}

@@ -12,7 +12,10 @@ training subset (``grpo.train_examples``, 1-shot RLVR). Held-out accuracy is gre
 split as ESSA, every ``evaluation.every`` steps, and never feeds back into training.
 Formulas and presets, with their papers: essa/gradient/losses.py. The options that act while
 sampling (DAPO re-sampling, CURE, replay, informative prompts, PRM step credit) plug in through
-essa/gradient/sampling.py; PRIME replaces the advantages (essa/gradient/prime.py).
+essa/gradient/sampling.py. The step's optional features plug in through three hooks
+(essa/gradient/hooks.py): what is sampled (replay, informative prompts), how advantages are made
+(after the group-normalised outcome advantages: PRM step credit, PRIME) and what the loss masks
+(the truncation mask, SimpleTIR's void turns); the update itself is essa/gradient/update.py.
 With ``grpo.cure.use_branching``, CURE's first stage (essa/gradient/cure.py, docs/cure.md) fills
 each group with originals and their branches from high-entropy critical tokens.
 
@@ -51,30 +54,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from essa import drift
 from essa.config import Config, to_dict
-from essa.data.selection import informative_prompts
 from essa.dist import Comm
 from essa.errors import UserError
 from essa.gradient import checkpoint, losses, replay
 from essa.gradient.data import TaskData
+from essa.gradient.features import grpo_hooks
 from essa.gradient.heldout import baseline_state, heldout_accuracy
+from essa.gradient.hooks import Hooks
 from essa.gradient.optim import make_optimizer
-from essa.gradient.policy import Policy, Rollout, Sampling, micro_batches, token_logprobs
-from essa.gradient.prm_credit import with_step_credit
-from essa.gradient.sampling import sample_groups, temperature_at, training_batch
-from essa.gradient.schedule import clip_gradients, lr_factor
-from essa.gradient.tool_rollout import void_turns
+from essa.gradient.outcome import outcome_advantages
+from essa.gradient.policy import Policy, Rollout, Sampling
+from essa.gradient.sampling import sample_groups, step_batch
+from essa.gradient.schedule import lr_factor, set_lr
+from essa.gradient.update import policy_update
 from essa.harness import Harness, Phase
 from essa.rewards.base import DRAW_KEYS, Reward
 from essa.tools.turns import ToolTally
 
 if TYPE_CHECKING:
-    from essa.data.selection import Informative
     from essa.gradient.optim import Optimizer
-    from essa.gradient.prime import ImplicitPRM
 
 
 def run(
@@ -113,22 +113,19 @@ def run(
         data = TaskData.build(task, cfg.data, tokenizer, g.train_examples)
         prime = ImplicitPRM.build(g, policy)  # grpo.prime (essa/gradient/prime.py); None: off
         trained = [checkpoint.Trained("policy", policy.params, optimizer)]
-        if prime is not None:
-            trained.append(prime.trained())
+        trained += [] if prime is None else [prime.trained()]  # phi, before the checkpoint loads
         ev = (cfg.generation, cfg.evaluation.micro_batch_size)
         state = checkpoint.load(run_dir, trained) if resume else None
         state = h.restore(state, done=state["step"] if state else 0)
         if state is None:
             fields = {"dim": policy.dim, "variant": losses.preset(g)}
             state = baseline_state(policy, tokenizer, data, h, *ev, fields, cfg.tools.python)
-            state.update(history={}, replay=[])
-            if g.replay.seed_file is not None:
-                state["replay"], line = replay.seeded_buffer(
-                    g.replay, tokenizer, data.train, data.train_prompts, reward
-                )
-                h.say(line)
-        informative = informative_prompts(
-            cfg.data, cfg.run.seed, g.group_size, tokenizer, state.get("informative")
+            first = replay.first_buffer(
+                g.replay, tokenizer, data.train, data.train_prompts, reward, h.say
+            )
+            state.update(history={}, replay=first)
+        hooks = grpo_hooks(
+            g, cfg.data, cfg.tools.python, cfg.run.seed, variant, policy, tokenizer, state, prime
         )
         h.say(
             f"GRPO ({g.loss}, trainable={g.trainable}): {policy.dim} parameters, "
@@ -137,8 +134,8 @@ def run(
         )
         for step in h.steps(state["step"], show=_shown):
             record = train_step(
-                cfg, variant, policy, optimizer, tokenizer, reward, data, state,
-                step.progress, informative, prime,
+                cfg, variant, policy, optimizer, tokenizer, reward, data, state, hooks,
+                step.progress,
             )  # fmt: skip
             if h.due(step.index, cfg.evaluation.every):
                 tally = ToolTally()
@@ -169,161 +166,49 @@ def train_step(
     reward: Reward,
     data: TaskData,
     state: dict[str, Any],
+    hooks: Hooks,
     round_bar: Callable[[int], Phase] | None = None,
-    informative: Informative | None = None,
-    prime: ImplicitPRM | None = None,
 ) -> dict[str, Any]:
     """Sample, score, form advantages and update; returns the step's metrics record.
 
-    ``round_bar(n)`` opens the progress bar of a sampling round of n completions. With
-    replay, ``state["replay"]`` (the buffer, JSON) is read and updated.
-    """
-    g = cfg.grpo
-    step = state["step"]
-    start = time.perf_counter()
-    buffer = None
-    if g.replay.capacity:
-        buffer = replay.ReplayBuffer.from_json(g.replay.capacity, state["replay"])
+    ``hooks`` plug in the optional features; ``round_bar(n)`` opens a sampling round's bar."""
+    g, step, start = cfg.grpo, state["step"], time.perf_counter()
     sampling = Sampling.for_grpo(
         g, cfg.generation, cfg.evaluation.micro_batch_size, cfg.tools.python
     )
     groups, found, stats = sample_groups(
         g, sampling, cfg.run.seed, variant, policy, tokenizer, reward, data, step,
-        round_bar, informative, buffer,
+        round_bar, *hooks.sources(),
     )  # fmt: skip
-    record: dict[str, Any] = {"generation": step, **stats}
-    if informative is not None:  # prompts_skipped, rows_saved, prompts_hinted, ...
-        record.update(informative.end_step())
-        state["informative"] = informative.state_dict()
-    if buffer is not None:
-        record["replayed"] = sum(len(r) for r in groups.replays)
-        record["replay_added"] = buffer.add(found)  # after drawing: replays are from past steps
-        record["replay_buffer_size"] = len(buffer.entries)
-        state["replay"] = buffer.to_json()
+    record = {"generation": step, **stats, **hooks.sampled(groups.replays, found, state)}
     if not groups.prompt_ids:  # every group was filtered away: nothing to learn from
-        record.update(seconds=round(time.perf_counter() - start, 4), skipped=True)
-        return record
-    batch, group_index, slot = training_batch(groups, data, tokenizer, g.group_size)
-    history = losses.history_from_json(state["history"])
-    adv, history = losses.advantages(variant, torch.cat(groups.rewards), groups.prompt_ids, history)
-    state["history"] = losses.history_to_json(history)
-    values = adv.values[group_index, slot]  # (B,)
-    if groups.credit:  # grpo.prm_credit: step (no replays): A_i + w_p (G_k(t) - G_1), (B, T)
-        values, record["prm_step_credit"] = with_step_credit(values, groups.credit, batch.mask)
-    mask = batch.mask * adv.keep[group_index, slot][:, None]  # (B, T)
-    if variant.use_truncation_mask:
-        mask = mask * ~batch.truncated[:, None]  # overlong filtering (spec §5.4a)
-    if cfg.tools.python.drop_void_turns and batch.transcripts is not None:
-        void = void_turns(batch.transcripts)  # (B,) SimpleTIR: no gradient from these
-        mask = mask * ~void[:, None]
-        record["void_trajectories"] = int(void.sum())
-    counts = losses.step_counts(mask, group_index, cfg.generation.new_tokens)
+        return {**record, "seconds": round(time.perf_counter() - start, 4), "skipped": True}
+    rows = step_batch(groups, data, tokenizer, g.group_size)
+    adv, made = hooks.made(outcome_advantages(variant, rows, state), rows)  # (B,) or (B, T)
+    mask, masked = hooks.loss_mask(rows.rollout, adv.keep)  # (B, T)
+    counts = losses.step_counts(mask, rows.group_index, cfg.generation.new_tokens)
     factor = lr_factor(step, cfg.run.generations, g.lr_warmup_steps, g.lr_schedule)
-    for param_group in optimizer.param_groups:
-        param_group["lr"] = g.lr * factor
-    if prime is not None:  # PRIME: token advantages (B, T) from the implicit PRM, which learns
-        values, prime_stats = prime.step(policy, batch, torch.cat(groups.rewards), g)
-        record.update(prime_stats)
-    updates = _update(cfg, variant, policy, optimizer, batch, values, mask, counts, step)
-    fresh = len(groups.prompt_ids) * g.group_size  # the first rows; replays follow
-    lengths = batch.mask[:fresh].sum(-1)
-    seconds = time.perf_counter() - start
-    record.update(updates)
+    set_lr(optimizer.param_groups, g.lr * factor)
+    record.update(made | masked)
     record.update(
-        completion_length=float(lengths.mean()),
-        truncated_fraction=float(batch.truncated[:fresh].float().mean()),
-        lr=optimizer.param_groups[0]["lr"],
-        seconds=round(seconds, 4),
-        tokens_per_second=round(record["new_tokens"] / seconds, 1) if seconds > 0 else None,
+        policy_update(g, variant, policy, optimizer, rows.rollout, adv.values, mask, counts, step)
     )
-    return record
+    fresh = len(groups.prompt_ids) * g.group_size  # the first rows; replays follow
+    return {**record, **_throughput(rows.rollout, fresh, optimizer, record["new_tokens"], start)}
 
 
-def _update(
-    cfg: Config,
-    variant: losses.Variant,
-    policy: Policy,
-    optimizer: Optimizer,
-    batch: Rollout,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    counts: losses.Counts,
-    step: int,
-) -> dict[str, float]:
-    """``num_iterations`` AdamW steps on the batch, each accumulated over micro-batches.
-
-    The loss is the variant's surrogate, minus ``grpo.entropy.coef`` times the mean token
-    entropy over every completion token of the batch (``batch.mask``, not the loss mask).
-    """
-    g = cfg.grpo
-    beta = variant.beta if g.beta is None else g.beta
-    t = batch.completion_ids.shape[1]
-    chunks = micro_batches(policy.model, mask.shape[0], t, g.grad_accumulation)
-    temperature = temperature_at(step, g)  # log-probs of the distribution that sampled
-    completion_tokens = int(batch.mask.sum())
-    use_bonus = g.entropy.coef != 0.0
-
-    def logprobs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, attention = batch.input_ids[rows], batch.attention_mask[rows]
-        return token_logprobs(
-            policy.model, ids, attention, t, temperature, g.entropy.floor, use_bonus
-        )
-
-    with torch.no_grad():
-        old_logp = torch.cat([logprobs(c)[0] for c in chunks]) if g.num_iterations > 1 else None
-        ref_logp = None
-        if beta != 0.0:
-            with policy.frozen_reference():
-                ref_logp = torch.cat([logprobs(c)[0] for c in chunks])  # (B, T)
-    totals: dict[str, float] = {}
-    for _ in range(g.num_iterations):
-        optimizer.zero_grad(set_to_none=True)
-        totals = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0}
-        for rows in chunks:
-            logp, entropy = logprobs(rows)  # (b, T)
-            old = logp.detach() if old_logp is None else old_logp[rows]
-            loss, token = losses.policy_loss(
-                variant,
-                logp,
-                old,
-                advantages[rows],
-                mask[rows],
-                counts._replace(group_tokens=counts.group_tokens[rows]),
-                ref_logp=None if ref_logp is None else ref_logp[rows],
-                beta=beta,
-                epsilon_low=g.epsilon_low,
-                epsilon_high=g.epsilon_high,
-            )
-            if use_bonus:
-                loss = loss + losses.entropy_bonus(
-                    entropy, batch.mask[rows], completion_tokens, g.entropy.coef
-                )
-            loss.backward()
-            _accumulate(totals, loss, token, advantages[rows], mask[rows], counts)
-            totals["entropy"] += float((entropy.detach() * batch.mask[rows]).sum()) / max(
-                completion_tokens, 1
-            )
-        norm = clip_gradients(policy.params, g.max_grad_norm)
-        optimizer.step()
-    return {**totals, "grad_norm": norm, "micro_batches": len(chunks)}
-
-
-def _accumulate(
-    totals: dict[str, float],
-    loss: torch.Tensor,
-    token: losses.TokenLoss,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    counts: losses.Counts,
-) -> None:
-    """Token-weighted sums over micro-batches: every metric ends as a mean over the step."""
-    share = float(mask.sum()) / max(counts.num_tokens, 1)
-    low, high = losses.clip_fractions(token, advantages, mask)
-    totals["loss"] += float(loss.detach())
-    totals["clip_low"] += low * share
-    totals["clip_high"] += high * share
-    if token.kl is not None:
-        totals["kl"] += float((token.kl.detach() * mask).sum()) / max(counts.num_tokens, 1)
+def _throughput(
+    batch: Rollout, fresh: int, optimizer: Optimizer, new_tokens: int, start: float
+) -> dict[str, Any]:
+    """The step's lengths (over its ``fresh`` rows: the policy's own), lr and speed."""
+    seconds = time.perf_counter() - start
+    return {
+        "completion_length": float(batch.mask[:fresh].sum(-1).mean()),
+        "truncated_fraction": float(batch.truncated[:fresh].float().mean()),
+        "lr": optimizer.param_groups[0]["lr"],
+        "seconds": round(seconds, 4),
+        "tokens_per_second": round(new_tokens / seconds, 1) if seconds > 0 else None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
