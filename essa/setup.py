@@ -20,7 +20,7 @@ from essa.errors import UserError
 if TYPE_CHECKING:
     from essa.backends import EvaluatorSettings
     from essa.dist import Comm
-    from essa.es.plan import Plan, PlanInputs, TaskLengths
+    from essa.es.plan import PlanInputs, TaskLengths
     from essa.gradient.sft import SFTLimit
     from essa.harness import Harness, Reporter
     from essa.types import Example
@@ -79,18 +79,6 @@ def evaluator_settings(cfg: Config) -> EvaluatorSettings:
         o.population_size,
         cfg.backend,
         cfg.tools.calls,
-    )
-
-
-def apply_plan(cfg: Config, plan: Plan | None) -> Config:
-    """``cfg`` with the planned candidates and prompts per generation (the other sizes are read
-    from the plan where they are used); ``cfg`` itself without a plan."""
-    if plan is None:
-        return cfg
-    return dataclasses.replace(
-        cfg,
-        data=dataclasses.replace(cfg.data, batch_size=plan.prompts),
-        optimizer=dataclasses.replace(cfg.optimizer, population_size=plan.population),
     )
 
 

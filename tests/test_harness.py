@@ -20,10 +20,12 @@ import pytest
 from essa.config import Config, load_config
 from essa.dist import get_comm
 from essa.es import checkpoint as es_checkpoint
+from essa.es.loop import Search, shown
+from essa.es.settings import RunSettings
 from essa.harness import Harness, Reporter
 from essa.protocols import Evaluator, Optimizer
-from essa.recipes import essa_es
 from essa.rewards import Reward
+from essa.setup import plan_inputs
 from essa.types import Example
 from tests.cli_runner import essa, start
 from tests.conftest import GRPO_SETS
@@ -41,7 +43,8 @@ def _config(*overrides: str) -> Config:
 def _fake_run(
     cfg: Config, run_dir: Path, *, resume: bool = False, interrupt_at: int | None = None
 ) -> tuple[Optimizer, Harness]:
-    """The ESSA loop of essa_es.run on a 4-dimensional search with the fake evaluator."""
+    """The ESSA loop of essa.recipes.essa_es.run on a 4-dimensional search with the fake
+    evaluator."""
     from essa.optimizers import make_optimizer
 
     run_dir.mkdir(exist_ok=True)
@@ -59,10 +62,10 @@ def _fake_run(
     if state is None:
         state = {"baseline_accuracy": 0.0, "best_fitness": None, "best_vector": None}
         h.metrics.write({"generation": -1, "event": "baseline"})
-    for step in h.steps(opt.generation, show=essa_es._shown):
-        record, _, _ = essa_es._generation(
-            cfg, step.index, opt, evaluator, TRAIN, PROMPTS, reward, comm, step.progress
-        )
+    settings = RunSettings.planned(plan_inputs(cfg), cfg.reward, None, h.say, state)
+    search = Search(settings, opt, evaluator, reward, TRAIN, PROMPTS, comm, state)
+    for step in h.steps(opt.generation, show=shown):
+        record = search.generation(step.index, step.progress)
         if step.index == interrupt_at:
             signal.raise_signal(signal.SIGINT)  # as if Ctrl-C came during this generation
         state["elapsed"] = h.elapsed

@@ -157,27 +157,22 @@ def test_a_run_searches_with_the_tie_breaker_its_check_kept(tmp_path: Path) -> N
 
 def test_a_failed_check_turns_the_tie_breaker_off_and_says_so() -> None:
     from essa.config import load_config
-    from essa.recipes.essa_es import _checked_tie_breaker
+    from essa.es.settings import checked_reward
 
     said: list[str] = []
-
-    class Say:
-        def say(self, line: str) -> None:
-            said.append(line)
-
-    cfg = load_config(None, ["reward.reference_weight=1"])
+    reward = load_config(None, ["reward.reference_weight=1"]).reward
     check = {"agrees": False, "factor": 1.5, "reward_with": 0.1, "reward_without": 0.25}
-    off = _checked_tie_breaker(cfg, Say(), {"scale_baseline": {"reference_check": check}})
-    assert off.reward.reference_weight == 0.0 and cfg.reward.reference_weight == 1.0
+    off = checked_reward(reward, said.append, {"scale_baseline": {"reference_check": check}})
+    assert off.reference_weight == 0.0 and reward.reference_weight == 1.0
     assert said == [
         "reference tie-breaker checked: off, the reward alone ranks (factors chosen on half "
         "the training prompts score 0.100 on the other half with it, 0.250 by the reward alone)"
     ]
-    kept = _checked_tie_breaker(
-        cfg, Say(), {"scale_baseline": {"reference_check": {**check, "agrees": True}}}
+    kept = checked_reward(
+        reward, said.append, {"scale_baseline": {"reference_check": {**check, "agrees": True}}}
     )
-    assert kept is cfg and said[-1].startswith("reference tie-breaker checked: kept")
-    assert _checked_tie_breaker(cfg, Say(), {"scale_baseline": {"factor": 2.0}}) is cfg
+    assert kept is reward and said[-1].startswith("reference tie-breaker checked: kept")
+    assert checked_reward(reward, said.append, {"scale_baseline": {"factor": 2.0}}) is reward
     unchecked = {"agrees": True, "factor": None, "reward_with": None, "reward_without": None}
     state = {"scale_baseline": {"reference_check": unchecked}}
-    assert _checked_tie_breaker(cfg, Say(), state) is cfg and len(said) == 2
+    assert checked_reward(reward, said.append, state) is reward and len(said) == 2

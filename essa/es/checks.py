@@ -1,0 +1,128 @@
+"""An ESSA run's passes over its held-out splits, and what they check.
+
+* the test split scores a point (the SFT adapter, the scaled start, the exported point): the
+  run reports it and never feeds it back;
+* the validation split scores a point item by item: the run's choices (the exported point,
+  the stop) read those scores (essa.es.watch); the search's mean is checked every
+  ``evaluation.every`` generations and once more after the search where it ran past its last
+  check.
+
+Every rank calls them and generates its shard of the split; only per-item scores are
+gathered, so the scores are those of one rank (the same sum in the same order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from essa.es.generation import heldout_texts, tool_metrics
+from essa.protocols import Evaluator, Optimizer
+from essa.types import AdapterVector
+
+if TYPE_CHECKING:
+    from essa.data.task import Task
+    from essa.es.budget import Budget
+    from essa.es.watch import Watch
+    from essa.harness import Harness
+
+DriftFigures = Callable[[AdapterVector], dict[str, Any]]  # rank 0's drift of a point (essa.drift)
+
+
+@dataclass(frozen=True)
+class Exported:
+    """The point the run exports and its final held-out pass."""
+
+    vector: AdapterVector  # (D,) offsets of the singular values
+    account: dict[str, Any]  # the summary's "exported": which point and why (Watch.choice)
+    heldout: float  # its score on the test split
+    tools: dict[str, float]  # the final pass's tool use (empty without tools)
+
+
+@dataclass(frozen=True)
+class Checks:
+    """The held-out and validation passes of one run, and the drift figures of a point."""
+
+    h: Harness
+    evaluator: Evaluator
+    task: Task  # its test and validation splits
+    test_prompts: list[str]  # task.test rendered in data.template
+    val_prompts: list[str]  # task.val rendered in data.template
+    budget: Budget  # its plan sizes a validation check (read at each call)
+    pass_drift: DriftFigures  # a checked mean's drift figures (evaluation.drift.every_pass)
+    drift_report: DriftFigures  # the exported point's drift report
+
+    def heldout(
+        self,
+        vector: AdapterVector,
+        name: str = "held-out",
+        generation: int | None = None,
+        final: bool = False,
+    ) -> float:
+        """Test-split score of ``vector`` (never fed back); samples with ``generation``."""
+        from essa.dist import shard
+
+        h, examples, prompts = self.h, self.task.test, self.test_prompts
+        if not examples:
+            return float("nan")
+        part = shard(len(prompts), h.comm.rank, h.comm.world_size)
+        with h.phase(name, part.stop - part.start, unit="rows") as bar:
+            texts = heldout_texts(self.evaluator, vector, prompts[part], bar.advance)
+        return h.score_shard(texts, examples, prompts, part, generation, final=final, name=name)
+
+    def validate(self, vector: AdapterVector, name: str) -> list[float]:
+        """Per-item validation scores of ``vector`` (the first ``budget.items``: the plan's size
+        of a check), gathered from every rank's shard in item order; they feed the run's
+        choices (essa.es.watch), never the test."""
+        from essa.dist import shard
+        from essa.evaluation import score_heldout
+
+        h, items = self.h, self.budget.items
+        examples, prompts = self.task.val[:items], self.val_prompts[:items]
+        if not examples:
+            return []
+        part = shard(len(prompts), h.comm.rank, h.comm.world_size)
+        with h.phase(f"validation ({name})", part.stop - part.start, unit="rows") as bar:
+            texts = heldout_texts(self.evaluator, vector, prompts[part], bar.advance)
+        mine = score_heldout(h.metric, texts, examples[part], prompts[part])[1] if texts else []
+        return h.comm.allgather_fitness(np.asarray(mine, dtype=np.float64)).tolist()
+
+    def check_mean(self, watch: Watch, opt: Optimizer) -> dict[str, Any]:
+        """The search's mean after ``opt.generation`` generations on validation: its record's
+        fields (val_accuracy, val_gain, val_se, val_best)."""
+        name = f"mean after generation {opt.generation}"
+        return watch.observe(name, opt.generation - 1, opt.mean, self.validate(opt.mean, name))
+
+    def after_generation(
+        self, g: int, every: int, watch: Watch, opt: Optimizer, record: dict[str, Any]
+    ) -> str | None:
+        """After generation ``g``, every ``every`` generations: the search's mean on validation,
+        its fields (and rank 0's drift figures) added to ``record``; why the search stops
+        there (essa.es.watch), or None."""
+        if not (self.h.due(g, every) and watch.validating):
+            return None
+        record.update(self.check_mean(watch, opt), **tool_metrics(self.evaluator, "val_"))
+        if self.h.is_root:  # rank 0 logs the record
+            record.update(self.pass_drift(opt.mean))
+        return watch.stop_after_check(g)
+
+    def export(
+        self, watch: Watch, opt: Optimizer, select: str, best: list[float] | None
+    ) -> Exported:
+        """The exported point: the validated one (essa.es.watch), checked against ``opt``'s
+        mean, or ``best`` (the best candidate seen) with ``evaluation.select: best``, and its
+        final held-out pass on every rank."""
+        vector = np.asarray(opt.mean)
+        if select == "best" and best is not None:
+            vector = np.asarray(best)
+        if watch.unchecked(opt.generation):  # the search's last mean, past its last check
+            self.check_mean(watch, opt)
+        vector, account = watch.choice(vector)  # the validated point, or the SFT adapter
+        self.h.say(f"exported: {account['point']} ({account['why']})")
+        tool_metrics(self.evaluator)
+        final = self.heldout(vector, "final held-out", opt.generation, final=True)
+        tools = tool_metrics(self.evaluator)  # the final pass's: tool_calls_per_row, ...
+        return Exported(vector, account, final, tools)
