@@ -1,8 +1,12 @@
-"""A fresh ESSA run's start: the SFT adapter's held-out score and the no-search baseline.
+"""An ESSA run's start: the SFT adapter and the no-search baseline, before the search.
 
-Both run before the search and never feed back into it, except that the search may start at
-the no-search baseline's factor (``optimizer.start: scale_baseline``) and that a budgeted run
-re-makes its plan on the measured cost of each pass (essa.es.budget).
+* on the test split (:func:`fresh_state`): the SFT adapter's held-out score and the no-search
+  baseline (the SFT adapter uniformly scaled, essa.es.start), reported and never fed back,
+  except that the search may start at the baseline's factor (``optimizer.start:
+  scale_baseline``) and that a budgeted run re-makes its plan on each pass's measured cost;
+* on the validation split (:func:`open_watch`): the SFT adapter's per-item scores, the
+  reference every later point is compared with; the scaled start, which the search starts
+  from only where it beats the SFT adapter; the pre-flight (essa.es.watch).
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from essa.config import PythonToolConfig, RewardConfig
+from essa.config import OptimizerConfig, PythonToolConfig, RewardConfig, RunConfig
 from essa.es.references import check_references
+from essa.es.watch import Watch, WatchSettings
 from essa.rewards.base import Reward
 from essa.types import AdapterVector
 
@@ -22,6 +27,9 @@ if TYPE_CHECKING:
     from essa.adapters.svd import SVDAdapter
     from essa.es.checks import Checks
     from essa.es.plan import PlanInputs
+    from essa.harness import Harness
+
+Validate = Callable[[AdapterVector, str], list[float]]  # (x, name) -> per-item scores
 
 
 def fresh_state(
@@ -127,3 +135,76 @@ class Timed:
             return self.heldout(x)
         finally:
             self.seconds += time.perf_counter() - start
+
+
+def searched_start(state: dict[str, Any]) -> dict[str, Any] | None:
+    """The scale baseline the search starts from: None where it did not run, failed, or did
+    not beat the SFT adapter on validation."""
+    scale = state.get("scale_baseline")
+    return None if scale is None or scale.get("validated") is False else scale
+
+
+def dense_informative(reward: RewardConfig, state: dict[str, Any]) -> bool:
+    """Whether the fitness's tie-breaker ranks where the reward cannot: it is on and its check
+    found factors the reward scores higher than the reward alone found (essa.es.start)."""
+    check = (state.get("scale_baseline") or {}).get("reference_check")
+    if not reward.reference_weight or not check or check.get("factor") is None:
+        return False
+    return bool(check["reward_with"] > check["reward_without"])
+
+
+def open_watch(
+    run: RunConfig,
+    optimizer: OptimizerConfig,
+    reward: RewardConfig,
+    h: Harness,
+    validate: Validate,
+    adapter: SVDAdapter,
+    state: dict[str, Any],
+) -> Watch:
+    """The run's watch: a resumed run's from its checkpointed state, a fresh run's after
+    :func:`watch_start` (kept in ``state`` for the checkpoint)."""
+    watch = Watch(WatchSettings.of(run), state.get("watch"))
+    if "watch" not in state:
+        state["watch"] = watch_start(optimizer, reward, h, watch, validate, adapter, state)
+    return watch
+
+
+def watch_start(
+    optimizer: OptimizerConfig,
+    reward: RewardConfig,
+    h: Harness,
+    watch: Watch,
+    validate: Validate,
+    adapter: SVDAdapter,
+    state: dict[str, Any],
+) -> dict[str, Any]:
+    """A fresh run's start on validation: the SFT adapter, the scaled start (the search starts
+    from it only where it beats the SFT adapter by more than its paired SE) and the pre-flight
+    (essa.es.watch). Returns the watch's state, to checkpoint."""
+    from essa.es.start import scale_vector
+
+    zeros = np.zeros(adapter.dim)
+    scores = validate(zeros, "SFT adapter")
+    if not scores:
+        h.say("no validation split (data.val_size 0): the search's mean is exported unchecked")
+        return watch.state
+    watch.observe("SFT adapter", -1, zeros, scores)
+    start = watch.state["points"][0]["score"]
+    scale = searched_start(state) if optimizer.start == "scale_baseline" else None
+    if scale is not None and scale["factor"] != 1.0:
+        x0, name = scale_vector(adapter, scale["factor"]), f"SFT adapter x{scale['factor']:g}"
+        fields = watch.observe(name, -1, x0, validate(x0, name))
+        scale["validated"] = watch.validated()
+        verdict = "there" if scale["validated"] else "at the SFT adapter"
+        h.say(
+            f"scaled start {name}: validation {fields['val_accuracy']:.3f} against the SFT "
+            f"adapter's {start:.3f} ({fields['val_gain']:+.3f}, SE {fields['val_se']:.3f}); "
+            f"the search starts {verdict}"
+        )
+        start = fields["val_accuracy"] if scale["validated"] else start
+    line = watch.preflight(start, dense_informative(reward, state))
+    if line is not None:
+        h.say(line)
+    watch.start_search()
+    return watch.state

@@ -24,12 +24,20 @@ from essa.protocols import Evaluator, Optimizer
 from essa.types import AdapterVector
 
 if TYPE_CHECKING:
+    from essa.config import DataConfig
     from essa.data.task import Task
     from essa.es.budget import Budget
     from essa.es.watch import Watch
     from essa.harness import Harness
 
 DriftFigures = Callable[[AdapterVector], dict[str, Any]]  # rank 0's drift of a point (essa.drift)
+
+
+def val_prompts(task: Task, data: DataConfig, tokenizer: Any) -> list[str]:
+    """The validation split's prompts in ``data.template``."""
+    from essa.data.task import render_prompts
+
+    return render_prompts(task.val, data.template, tokenizer, data.system_prompt)
 
 
 @dataclass(frozen=True)

@@ -15,28 +15,23 @@ SFT adapter, the search's start and the distribution mean at every check. From t
   signal, is not searched (``run.on_no_signal: keep_start``); the run says so in one line.
 
 numpy only; every rank holds the same scores (all-gathered), so every rank decides the same,
-and the state is in the checkpoint, so a resumed run decides the same too. docs/signal.md.
+and the state is in the checkpoint, so a resumed run decides the same too. The scores come in
+from the run's start (essa.es.baselines.open_watch) and its checks (essa.es.checks).
+docs/signal.md.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from essa.config import DataConfig, OptimizerConfig, RewardConfig, RunConfig
+from essa.config import RunConfig
 from essa.types import AdapterVector
-
-if TYPE_CHECKING:
-    from essa.adapters.svd import SVDAdapter
-    from essa.data.task import Task
-    from essa.harness import Harness
-
-Validate = Callable[[AdapterVector, str], list[float]]  # (x, name) -> per-item scores
 
 FLOOR = 0.03  # a start scoring below this on validation is at the floor ...
 CEILING = 0.97  # ... and above this at the ceiling: the reward has little left to rank
@@ -237,84 +232,3 @@ class Watch:
             "point": p["name"], "generation": p["generation"], "val_accuracy": p["score"],
             "val_gain": p["gain"], "val_se": p["se"], "why": why, "checked": checked,
         }  # fmt: skip
-
-
-# ---------------------------------------------------------------------- the run's start
-def val_prompts(task: Task, data: DataConfig, tokenizer: Any) -> list[str]:
-    """The validation split's prompts in ``data.template``."""
-    from essa.data.task import render_prompts
-
-    return render_prompts(task.val, data.template, tokenizer, data.system_prompt)
-
-
-def searched_start(state: dict[str, Any]) -> dict[str, Any] | None:
-    """The scale baseline the search starts from: None where it did not run, failed, or did
-    not beat the SFT adapter on validation."""
-    scale = state.get("scale_baseline")
-    return None if scale is None or scale.get("validated") is False else scale
-
-
-def dense_informative(reward: RewardConfig, state: dict[str, Any]) -> bool:
-    """Whether the fitness's tie-breaker ranks where the reward cannot: it is on and its check
-    found factors the reward scores higher than the reward alone found (essa.es.start)."""
-    check = (state.get("scale_baseline") or {}).get("reference_check")
-    if not reward.reference_weight or not check or check.get("factor") is None:
-        return False
-    return bool(check["reward_with"] > check["reward_without"])
-
-
-def open_watch(
-    run: RunConfig,
-    optimizer: OptimizerConfig,
-    reward: RewardConfig,
-    h: Harness,
-    validate: Validate,
-    adapter: SVDAdapter,
-    state: dict[str, Any],
-) -> Watch:
-    """The run's watch: a resumed run's from its checkpointed state, a fresh run's after
-    :func:`watch_start` (kept in ``state`` for the checkpoint)."""
-    watch = Watch(WatchSettings.of(run), state.get("watch"))
-    if "watch" not in state:
-        state["watch"] = watch_start(optimizer, reward, h, watch, validate, adapter, state)
-    return watch
-
-
-def watch_start(
-    optimizer: OptimizerConfig,
-    reward: RewardConfig,
-    h: Harness,
-    watch: Watch,
-    validate: Validate,
-    adapter: SVDAdapter,
-    state: dict[str, Any],
-) -> dict[str, Any]:
-    """A fresh run's start on validation: the SFT adapter, the scaled start (the search starts
-    from it only where it beats the SFT adapter by more than its paired SE) and the pre-flight
-    (essa.es.watch). Returns the watch's state, to checkpoint."""
-    from essa.es.start import scale_vector
-
-    zeros = np.zeros(adapter.dim)
-    scores = validate(zeros, "SFT adapter")
-    if not scores:
-        h.say("no validation split (data.val_size 0): the search's mean is exported unchecked")
-        return watch.state
-    watch.observe("SFT adapter", -1, zeros, scores)
-    start = watch.state["points"][0]["score"]
-    scale = searched_start(state) if optimizer.start == "scale_baseline" else None
-    if scale is not None and scale["factor"] != 1.0:
-        x0, name = scale_vector(adapter, scale["factor"]), f"SFT adapter x{scale['factor']:g}"
-        fields = watch.observe(name, -1, x0, validate(x0, name))
-        scale["validated"] = watch.validated()
-        verdict = "there" if scale["validated"] else "at the SFT adapter"
-        h.say(
-            f"scaled start {name}: validation {fields['val_accuracy']:.3f} against the SFT "
-            f"adapter's {start:.3f} ({fields['val_gain']:+.3f}, SE {fields['val_se']:.3f}); "
-            f"the search starts {verdict}"
-        )
-        start = fields["val_accuracy"] if scale["validated"] else start
-    line = watch.preflight(start, dense_informative(reward, state))
-    if line is not None:
-        h.say(line)
-    watch.start_search()
-    return watch.state

@@ -36,13 +36,13 @@ from essa.config import Config
 from essa.data.task import Task, render_splits
 from essa.dist import Comm
 from essa.es import checkpoint
-from essa.es.baselines import baseline_record, fresh_state
+from essa.es.baselines import baseline_record, fresh_state, open_watch, searched_start
 from essa.es.budget import Budget
-from essa.es.checks import Checks
+from essa.es.checks import Checks, val_prompts
 from essa.es.loop import Search, shown
 from essa.es.optimizer import check_searchable, search_optimizer, start_note
 from essa.es.settings import RunSettings, apply_plan
-from essa.es.watch import Watch, open_watch, searched_start
+from essa.es.watch import Watch
 from essa.harness import Harness
 from essa.protocols import Optimizer
 from essa.rewards.base import Reward
@@ -137,7 +137,6 @@ def _checks(
     from essa import setup
     from essa.backends import population_evaluator
     from essa.drift import adapter_pass_figures, adapter_report
-    from essa.es.watch import val_prompts
     from essa.rewards.logprob import COMPLETION_LOGPROBS
 
     settings = setup.evaluator_settings(cfg)
