@@ -53,7 +53,7 @@ def _fake_run(
     evaluator = FakeEvaluator()
     reward = Reward("exact", lambda c, a, p: [float(x == y) for x, y in zip(c, a, strict=True)])
 
-    def build(scale: object) -> Optimizer:  # the recipe's builder: no scale-baseline start here
+    def build(saved: object) -> Optimizer:  # the recipe's builder: no scale-baseline start here
         return make_optimizer("cma_es", 4, population_size=4, sigma0=0.5, seed=cfg.run.seed)
 
     restored, loaded = es_checkpoint.load(run_dir, build) if resume else (None, None)

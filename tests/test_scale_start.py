@@ -76,6 +76,29 @@ def test_resume_after_a_kill_keeps_the_start(tmp_path: Path) -> None:
         assert bool(np.any(np.asarray(x0) != 0.0)) is (factor != 1.0)
 
 
+@pytest.mark.slow
+def test_resume_after_a_kill_keeps_the_sft_start_when_validation_rejected_the_scaled_one(
+    tmp_path: Path,
+) -> None:
+    """A scaled start that does not beat the SFT adapter on validation is not searched from;
+    the resumed run rebuilds its optimizer at the same (SFT) start and continues exactly."""
+    args = sets(*SMALL, "data.val_size=16", "run.generations=3")
+    ref = tmp_path / "ref"
+    res = essa("train", "--run-dir", str(ref), *args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "did not beat the SFT adapter on validation" in res.stdout  # the case under test
+    killed = tmp_path / "killed"
+    res = essa("train", "--run-dir", str(killed), *args, env={"ESSA_FAULT": "kill@2"})
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    res = essa("train", "--resume", str(killed))
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = adapter_tensors(ref), adapter_tensors(killed)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    for run_dir in (ref, killed):  # the optimizer's recorded start is the SFT adapter
+        x0 = json.loads((run_dir / "checkpoint.json").read_text())["optimizer"]["config"]["x0"]
+        assert not np.any(np.asarray(x0))
+
+
 # ----------------------------------------------------------------- the tie-breaker's check
 
 

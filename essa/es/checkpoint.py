@@ -18,14 +18,15 @@ def save(run_dir: Path, opt: Optimizer, state: dict[str, Any]) -> None:
 
 
 def load(
-    run_dir: Path, build: Callable[[dict[str, Any] | None], Optimizer]
+    run_dir: Path, build: Callable[[dict[str, Any]], Optimizer]
 ) -> tuple[Optimizer | None, dict[str, Any] | None]:
-    """The optimizer restored from checkpoint.json (built from the saved scale baseline, so its
-    start matches) and the recipe's state; (None, None) when there is no checkpoint."""
+    """The optimizer restored from checkpoint.json (``build`` makes it from the saved state,
+    so that it starts where the saved search started) and the recipe's state; (None, None)
+    when there is no checkpoint."""
     restored: list[Optimizer] = []
 
     def restore(data: dict[str, Any]) -> None:
-        opt = build(data.get("scale_baseline"))
+        opt = build(data)
         opt.load_state_dict(data.pop("optimizer"))
         restored.append(opt)
 

@@ -178,7 +178,10 @@ def _start(
 
     h, budget = checks.h, checks.budget
     planned, _ = apply_plan(cfg.optimizer, cfg.data, budget.adopt(h, None))
-    build = functools.partial(search_optimizer, planned, cfg.run.seed, adapter)
+
+    def build(saved: dict[str, Any]) -> Optimizer:  # at the start the saved search took
+        return search_optimizer(planned, cfg.run.seed, adapter, searched_start(saved))
+
     opt, loaded = checkpoint.load(h.run_dir, build) if resume else (None, None)
     state = h.restore(loaded, done=opt.generation if opt is not None else 0)
     if state is None:
