@@ -36,7 +36,8 @@ def load_run(run_dir: Path) -> RunCurves:
         raise UserError(f"{run_dir}: not a finished run (needs summary.json and metrics.jsonl)")
     summary = json.loads(summary_path.read_text())
     algorithm = summary.get("algorithm", "essa")
-    if "label" in summary:  # runs written by other trainers (bench/trl_grpo.py) name themselves
+    # Runs written by other trainers (bench/studies/trl_grpo.py) name themselves.
+    if "label" in summary:
         label = str(summary["label"])
     elif algorithm in ("grpo", "dpo"):
         label = f"{algorithm} ({summary.get('loss')}, {summary.get('trainable')})"

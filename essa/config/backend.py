@@ -80,7 +80,7 @@ def check_model(m: ModelConfig) -> None:
         raise ConfigError(
             f"model.quantization: {m.quantization} cannot be combined with "
             "model.gguf_file (transformers does not quantise GGUF checkpoints); save the model "
-            "as safetensors first (see bench/quant.py), or use quantization=none"
+            "as safetensors first (see bench/benchmarks/quant.py), or use quantization=none"
         )
 
 
