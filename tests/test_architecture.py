@@ -185,6 +185,53 @@ def test_recipes_are_imported_only_by_the_registry() -> None:
         assert (PACKAGE / "recipes" / f"{module.rsplit('.', 1)[1]}.py").is_file(), entry
 
 
+# A recipe is its paper's loop on one screen: run() reads as the paper's steps, and what a
+# feature adds lives in a component below it (essa/es, essa/gradient).
+RUN_LINES = 60
+RECIPE_LINES = 300
+# Recipes that were longer when these limits came in: their ceilings only come down.
+RUN_CEILINGS = {"grpo": 77, "dpo": 74}
+RECIPE_CEILINGS = {"grpo": 413}
+
+
+def recipe_sizes(path: Path) -> tuple[int, int | None]:
+    """(lines of the module, lines of its ``run()``; None without one)."""
+    source = path.read_text()
+    runs = [
+        node.end_lineno - node.lineno + 1
+        for node in ast.parse(source).body
+        if isinstance(node, ast.FunctionDef) and node.name == "run" and node.end_lineno
+    ]
+    return len(source.splitlines()), (runs[0] if runs else None)
+
+
+def test_recipes_fit_on_one_screen() -> None:
+    """Every recipe's run() within RUN_LINES and its module within RECIPE_LINES (or the
+    recipe's own ceiling)."""
+    broken = []
+    for path in sorted((PACKAGE / "recipes").glob("*.py")):
+        if path.name == "__init__.py":  # the registry, not a recipe
+            continue
+        lines, run = recipe_sizes(path)
+        run_limit = RUN_CEILINGS.get(path.stem, RUN_LINES)
+        module_limit = RECIPE_CEILINGS.get(path.stem, RECIPE_LINES)
+        if run is None:
+            broken.append(f"{path.name}: no run()")
+        elif run > run_limit:
+            broken.append(f"{path.name}: run() is {run} lines, the limit {run_limit}")
+        if lines > module_limit:
+            broken.append(f"{path.name}: {lines} lines, the limit {module_limit}")
+    assert not broken, "\n".join(broken)
+
+
+def test_recipe_sizes_reads_run(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("def run():\n    x = 1\n\n    return x\n\n\ndef _other():\n    pass\n")
+    assert recipe_sizes(probe) == (8, 4)
+    probe.write_text("def train():\n    pass\n")
+    assert recipe_sizes(probe) == (2, None)
+
+
 TOOLKITS = (
     "essa.adapters",
     "essa.backends",
