@@ -237,6 +237,7 @@ TOOLKITS = (
     "essa.backends",
     "essa.data",
     "essa.dist",
+    "essa.drift",
     "essa.es",
     "essa.gradient",
     "essa.optimizers",
