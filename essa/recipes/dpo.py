@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from essa.config import Config, to_dict
+from essa.config import Config, DataConfig, DPOConfig, to_dict
 from essa.dist import Comm
 from essa.errors import UserError
 from essa.gradient import checkpoint
@@ -43,7 +43,7 @@ from essa.gradient.policy import Policy, Rollout, Sampling
 from essa.gradient.preference import dpo_loss, file_batch, online_batch, sequence_logprobs
 from essa.gradient.schedule import clip_gradients, lr_factor
 from essa.harness import Harness
-from essa.rewards.base import DRAW_KEYS
+from essa.rewards.base import DRAW_KEYS, Reward
 from essa.types import Example, PreferencePair
 
 if TYPE_CHECKING:
@@ -60,18 +60,11 @@ def run(
 ) -> dict[str, Any]:
     """Train with DPO; return the summary (also in summary.json)."""
     from essa import setup
-    from essa.data.task import render_prompts
-    from essa.rewards.loading import load_reward
 
     h, task = setup.open_run(cfg, run_dir, resume=resume, console=console, comm=comm, gradient=True)
     d = cfg.dpo
     pairs = _load_pairs(d.pairs) if d.pairs else None
-    reward = None
-    if not pairs:
-        provides = frozenset({DRAW_KEYS})
-        reward = load_reward(
-            cfg.reward, recipe="DPO", groups=True, provides=provides, deadline=False
-        )
+    reward = None if pairs else _reward(cfg)
     with h:
         cfg, model, tokenizer, base_bytes, _ = setup.open_model(cfg, h, task)
         peft_model, sft_dir = setup.load_or_train_adapter(
@@ -81,12 +74,7 @@ def run(
         optimizer = make_optimizer(policy, d, cfg.run.seed, "dpo")
         trained = [checkpoint.Trained("policy", policy.params, optimizer)]
         data = TaskData.build(task, cfg.data, tokenizer, d.train_examples)
-        pair_prompts = None
-        if pairs is not None:
-            questions = [Example(prompt=p.prompt) for p in pairs]
-            pair_prompts = render_prompts(
-                questions, cfg.data.template, tokenizer, cfg.data.system_prompt
-            )
+        pair_prompts = _pair_prompts(pairs, cfg.data, tokenizer)
         ev = (cfg.generation, cfg.evaluation.micro_batch_size)
         sampling = Sampling(*ev, d.temperature, d.entropy_floor)
         state = checkpoint.load(run_dir, trained) if resume else None
@@ -94,12 +82,7 @@ def run(
         if state is None:
             fields = {"dim": policy.dim, "dpo": to_dict(d)}
             state = baseline_state(policy, tokenizer, data, h, *ev, fields)
-        source = f"{len(pairs)} pairs from {d.pairs}" if pairs else "online pairs"
-        h.say(
-            f"DPO ({d.loss}, beta {d.beta}, trainable={d.trainable}): {policy.dim} parameters, "
-            f"{source}, {d.pairs_per_step} per step, "
-            f"held-out {h.metric_name} baseline {state['baseline_accuracy']:.3f}"
-        )
+        h.say(_opening(d, policy.dim, pairs, h.metric_name, state["baseline_accuracy"]))
         for step in h.steps(state["step"], show=_shown):
             start = time.perf_counter()
             batch: Rollout | None
@@ -107,7 +90,7 @@ def run(
                 batch, stats = file_batch(
                     pairs, pair_prompts, tokenizer, d, cfg.run.seed, step.index
                 )
-            else:
+            else:  # pairs sampled from the policy and ranked by the reward
                 assert reward is not None
                 batch, stats = online_batch(
                     d, sampling, cfg.run.seed, policy, tokenizer, reward, data, step.index,
@@ -124,6 +107,38 @@ def run(
             step.finish(record, lambda: checkpoint.save(run_dir, trained, state))
         state["model_bytes"] = base_bytes
         return _finish(cfg, h, policy, tokenizer, data, state, sft_dir)
+
+
+def _opening(
+    d: DPOConfig, dim: int, pairs: list[PreferencePair] | None, metric: str, baseline: float
+) -> str:
+    """The run's opening line: the loss, what it trains, where its pairs come from."""
+    source = f"{len(pairs)} pairs from {d.pairs}" if pairs else "online pairs"
+    return (
+        f"DPO ({d.loss}, beta {d.beta}, trainable={d.trainable}): {dim} parameters, "
+        f"{source}, {d.pairs_per_step} per step, held-out {metric} baseline {baseline:.3f}"
+    )
+
+
+def _reward(cfg: Config) -> Reward:
+    """The reward that ranks online pairs; group rewards work as is (one call per prompt)."""
+    from essa.rewards.loading import load_reward
+
+    return load_reward(
+        cfg.reward, recipe="DPO", groups=True, provides=frozenset({DRAW_KEYS}), deadline=False
+    )
+
+
+def _pair_prompts(
+    pairs: list[PreferencePair] | None, data: DataConfig, tokenizer: Any
+) -> list[str] | None:
+    """The pairs file's prompts in the run's template; None for online pairs."""
+    from essa.data.task import render_prompts
+
+    if pairs is None:
+        return None
+    questions = [Example(prompt=p.prompt) for p in pairs]
+    return render_prompts(questions, data.template, tokenizer, data.system_prompt)
 
 
 def _load_pairs(path: str) -> list[PreferencePair]:

@@ -88,20 +88,11 @@ def run(
     """Train with the configured GRPO variant; return the summary (also in summary.json)."""
     from essa import setup
     from essa.gradient.prime import ImplicitPRM
-    from essa.rewards.loading import load_reward
 
     h, task = setup.open_run(cfg, run_dir, resume=resume, console=console, comm=comm, gradient=True)
     g = cfg.grpo
     variant = losses.get_variant(g.loss)
-    # Group rewards work as is: each prompt's G completions come in one call.
-    reward = load_reward(
-        cfg.reward, recipe="GRPO", groups=True, provides=frozenset({DRAW_KEYS}), deadline=False
-    )
-    if g.replay.capacity and reward.is_group:
-        raise UserError(
-            f"grpo.replay: replays verified successes, but reward {cfg.reward.name} is a group "
-            "reward (its score depends on the other completions); use a verifiable reward"
-        )
+    reward = _reward(cfg)
     with h:  # the trackers close whatever happens
         cfg, model, tokenizer, base_bytes, _ = setup.open_model(cfg, h, task)
         peft_model, sft_dir = setup.load_or_train_adapter(
@@ -114,11 +105,11 @@ def run(
         prime = ImplicitPRM.build(g, policy)  # grpo.prime (essa/gradient/prime.py); None: off
         trained = [checkpoint.Trained("policy", policy.params, optimizer)]
         trained += [] if prime is None else [prime.trained()]  # phi, before the checkpoint loads
-        ev = (cfg.generation, cfg.evaluation.micro_batch_size)
         state = checkpoint.load(run_dir, trained) if resume else None
         state = h.restore(state, done=state["step"] if state else 0)
         if state is None:
             fields = {"dim": policy.dim, "variant": losses.preset(g)}
+            ev = (cfg.generation, cfg.evaluation.micro_batch_size)
             state = baseline_state(policy, tokenizer, data, h, *ev, fields, cfg.tools.python)
             first = replay.first_buffer(
                 g.replay, tokenizer, data.train, data.train_prompts, reward, h.say
@@ -138,19 +129,43 @@ def run(
                 step.progress,
             )  # fmt: skip
             if h.due(step.index, cfg.evaluation.every):
-                tally = ToolTally()
-                record["heldout_accuracy"] = heldout_accuracy(
-                    policy, tokenizer, data, h, *ev, step=step.index, tools=cfg.tools.python,
-                    tally=tally,
-                )  # fmt: skip
-                if cfg.tools.python.max_tool_calls:
-                    record.update({"heldout_" + k: v for k, v in tally.metrics().items()})
-                if cfg.evaluation.drift.every_pass:
-                    record.update(drift.pass_figures(cfg, *_drift_models(cfg, policy, tokenizer)))
+                record.update(_heldout_pass(cfg, policy, tokenizer, data, h, step.index))
             state.update(step=step.index + 1, elapsed=h.elapsed)
             step.finish(record, lambda: checkpoint.save(run_dir, trained, state))
         state["model_bytes"] = base_bytes
         return _finish(cfg, h, policy, tokenizer, data, state, sft_dir)
+
+
+def _reward(cfg: Config) -> Reward:
+    """The run's reward; group rewards work as is: each prompt's G completions come in one call."""
+    from essa.rewards.loading import load_reward
+
+    reward = load_reward(
+        cfg.reward, recipe="GRPO", groups=True, provides=frozenset({DRAW_KEYS}), deadline=False
+    )
+    if cfg.grpo.replay.capacity and reward.is_group:
+        raise UserError(
+            f"grpo.replay: replays verified successes, but reward {cfg.reward.name} is a group "
+            "reward (its score depends on the other completions); use a verifiable reward"
+        )
+    return reward
+
+
+def _heldout_pass(
+    cfg: Config, policy: Policy, tokenizer: Any, data: TaskData, h: Harness, step: int
+) -> dict[str, Any]:
+    """One held-out pass during training: accuracy, the tools' tallies, the drift figures."""
+    tally = ToolTally()
+    record: dict[str, Any] = {}
+    record["heldout_accuracy"] = heldout_accuracy(
+        policy, tokenizer, data, h, cfg.generation, cfg.evaluation.micro_batch_size, step=step,
+        tools=cfg.tools.python, tally=tally,
+    )  # fmt: skip
+    if cfg.tools.python.max_tool_calls:
+        record.update({"heldout_" + k: v for k, v in tally.metrics().items()})
+    if cfg.evaluation.drift.every_pass:
+        record.update(drift.pass_figures(cfg, *_drift_models(cfg, policy, tokenizer)))
+    return record
 
 
 # ---------------------------------------------------------------------------------------------
