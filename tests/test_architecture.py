@@ -232,6 +232,23 @@ def test_recipe_sizes_reads_run(tmp_path: Path) -> None:
     assert recipe_sizes(probe) == (2, None)
 
 
+# The run harness is split by concern (the run and its loop, signals, progress, held-out
+# records, the JSON checkpoint); no module of it grows back into one long file.
+HARNESS_MODULE_LINES = 400
+
+
+def test_harness_modules_stay_small() -> None:
+    """Every module of essa/harness within HARNESS_MODULE_LINES lines."""
+    paths = sorted((PACKAGE / "harness").glob("*.py"))
+    assert len(paths) >= 5, paths  # the package, not a single module
+    broken = [
+        f"{path.name}: {lines} lines, the limit {HARNESS_MODULE_LINES}"
+        for path in paths
+        if (lines := len(path.read_text().splitlines())) > HARNESS_MODULE_LINES
+    ]
+    assert not broken, "\n".join(broken)
+
+
 TOOLKITS = (
     "essa.adapters",
     "essa.backends",

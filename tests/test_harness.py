@@ -1,4 +1,4 @@
-"""The run harness (essa/harness.py): signals, budget, cadence, phases; GRPO signal and resume.
+"""The run harness (essa/harness/): signals, budget, cadence, phases; GRPO signal and resume.
 
 The model-free tests drive the real ESSA generation step (ask, evaluate, tell) with the fake
 evaluator of tests/fakes.py; the slow ones run the real CLI on the bundled demo model.
@@ -126,10 +126,10 @@ def test_budget_stops_before_a_step_that_would_end_past_it(
 ) -> None:
     """Steps of 10 s on a 35 s budget: after 3 steps (30 s) the next would end at 40 s, so the
     loop stops there, not after a 4th step that passes the budget (a fake clock, no sleeps)."""
-    import essa.harness
+    import essa.harness.run
 
     clock = [1000.0]
-    monkeypatch.setattr(essa.harness.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(essa.harness.run.time, "perf_counter", lambda: clock[0])
     cfg = _config("run.generations=10", "run.max_wall_seconds=35")
     h = Harness(cfg, tmp_path, resume=False, console=None, comm=get_comm("local"))
     done = []

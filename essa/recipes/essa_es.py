@@ -4,7 +4,7 @@ The loop (Korotyshova et al., ESSA v3, Alg. 1): ask the population; evaluate eve
 the generation's shared prompt mini-batch in one batched pass; fitness = mean reward; tell;
 log and checkpoint. Held-out accuracy of the distribution mean is measured every
 ``evaluation.every`` generations and never feeds back into training. What a run does around
-the loop (run directory, signals, budget, progress, summary) is essa/harness.py; the loop's
+the loop (run directory, signals, budget, progress, summary) is essa/harness/; the loop's
 parts are essa/es: the plan (budget.py), the settings as planned (settings.py), the fresh
 run's baselines (baselines.py), one generation (loop.py), the held-out and validation passes
 (checks.py) and what they decide (watch.py).
