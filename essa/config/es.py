@@ -71,11 +71,14 @@ class DriftBudgetConfig:
     # A candidate whose anchor-set KL(base || candidate) exceeds it ranks below every candidate
     # within it (those over it by their KL); None: no constraint.
     kl_budget: float | None = None
-    prompts: int = 8  # the anchor set: the first off-task prompts of essa.drift.offtask_prompts
+    prompts: int = 8  # the anchor set: the first of essa.drift.offtask.offtask_prompts
     tokens: int = 16  # the base model's greedy continuation of each, teacher-forced
     # fitness -= anchor * mean_i ((x_i - x_SFT,i) / s_i)^2: weight decay toward the SFT adapter
     # in the searched coordinates (s_i: the SFT singular value), the ES form of an anchor.
     anchor: float = 0.0
+    # After every tell the search mean moves back toward its start x0 (the SFT adapter or the
+    # scaled start): m <- x0 + (1 - decay) (m - x0), decoupled weight decay for any optimizer.
+    decay: float = 0.0
 
     @property
     def uses_kl(self) -> bool:
@@ -144,6 +147,8 @@ def check_drift_budget(d: DriftBudgetConfig) -> None:
     for key, value in (("kl_penalty", d.kl_penalty), ("anchor", d.anchor)):
         if value < 0:
             raise ConfigError(f"optimizer.drift_budget.{key}: must be >= 0, got {value}")
+    if not 0 <= d.decay < 1:
+        raise ConfigError(f"optimizer.drift_budget.decay: must be in [0, 1), got {d.decay}")
     if d.kl_budget is not None and not d.kl_budget > 0:
         raise ConfigError(f"optimizer.drift_budget.kl_budget: must be > 0, got {d.kl_budget}")
     for key, value in (("prompts", d.prompts), ("tokens", d.tokens)):

@@ -28,9 +28,11 @@ def make_es_optimizer(
     ``x0`` (D,): the initial mean; None = zeros, the SFT adapter itself. With relative steps,
     coordinates that no step can move (``SVDAdapter.searchable``: zero singular values, modules
     whose update is zero) stay at ``x0`` and the optimizer searches the others
-    (essa.optimizers.subspace).
+    (essa.optimizers.subspace). With ``optimizer.drift_budget.decay`` its mean moves back toward
+    ``x0`` after every tell (essa.optimizers.decay).
     """
     from essa.optimizers import make_optimizer
+    from essa.optimizers.decay import with_decay
     from essa.optimizers.subspace import Subspace
 
     options = o.options.kwargs()  # the optimizer's own constructor arguments
@@ -51,9 +53,10 @@ def make_es_optimizer(
         opt = make_optimizer(o.name, dim, **options)
     else:
         opt = _layerwise_optimizer(o, adapter, dim, free, options)
-    if free is None:
-        return opt
-    return Subspace(opt, free, np.zeros(adapter.dim) if x0 is None else np.asarray(x0))
+    start = np.zeros(adapter.dim) if x0 is None else np.asarray(x0, dtype=np.float64)
+    if free is not None:
+        opt = Subspace(opt, free, start)
+    return with_decay(opt, o.drift_budget.decay, start)  # optimizer.drift_budget.decay
 
 
 def _layerwise_optimizer(
@@ -128,7 +131,14 @@ def search_optimizer(
 
 
 def start_note(cfg: OptimizerConfig, scale: dict[str, Any] | None) -> str:
-    """The run's opening line's note on where the search starts."""
+    """The run's opening line's note on where the search starts (and, with
+    ``drift_budget.decay``, that its mean decays back toward there)."""
+    decay = cfg.drift_budget.decay
+    pull = f"; the mean decays toward the start by {decay:g} a generation" if decay else ""
+    return _start_place(cfg, scale) + pull
+
+
+def _start_place(cfg: OptimizerConfig, scale: dict[str, Any] | None) -> str:
     if cfg.start != "scale_baseline":
         return ""
     if scale is None:
