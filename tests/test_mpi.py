@@ -546,3 +546,21 @@ def test_two_ranks_price_drift_as_one_rank(tiny_model_dir: Path, tmp_path: Path)
     assert [r["sigma"] for r in one] == [r["sigma"] for r in two]
     a, b = adapter(runs[0]), adapter(runs[2])  # the same ranking told: the same mean
     assert all(np.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_two_ranks_decay_the_mean_as_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """optimizer.drift_budget.decay under MPI: every rank tells the same fitness and moves the
+    mean by the same offset, so two ranks hold (checked every generation) and export what one
+    process does."""
+    decayed = ["run.generations=3", "optimizer.drift_budget.decay=0.2"]
+    runs = {}
+    for ranks in (0, 2):
+        runs[ranks] = tmp_path / f"ranks{ranks}"
+        train(ranks, "--run-dir", str(runs[ranks]), sets=small(tiny_model_dir, *decayed))
+    assert trajectory(runs[2]) == trajectory(runs[0])
+    assert all(r["decay_step_norm"] > 0 for r in trajectory(runs[0])[1:])
+    assert_same_adapter(runs[2], runs[0])
+    states = [json.loads((runs[r] / "checkpoint.json").read_text())["optimizer"] for r in runs]
+    assert states[0]["optimizer"] == "mean_decay" and states[0] == states[1]

@@ -99,6 +99,28 @@ def test_resume_after_a_kill_keeps_the_sft_start_when_validation_rejected_the_sc
         assert not np.any(np.asarray(x0))
 
 
+@pytest.mark.slow
+def test_resume_after_a_kill_with_the_mean_decaying_toward_the_start(tmp_path: Path) -> None:
+    """optimizer.drift_budget.decay from the scaled start: the decay's offset is in the
+    checkpoint, so a killed run resumes onto the same trajectory bit for bit."""
+    args = sets(*SMALL, "run.generations=4", "optimizer.drift_budget.decay=0.1")
+    ref = tmp_path / "ref"
+    res = essa("train", "--run-dir", str(ref), *args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "the mean decays toward the start by 0.1 a generation" in res.stdout
+    killed = tmp_path / "killed"
+    res = essa("train", "--run-dir", str(killed), *args, env={"ESSA_FAULT": "kill@2"})
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    res = essa("train", "--resume", str(killed))
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = adapter_tensors(ref), adapter_tensors(killed)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert passes(ref)["final"] == passes(killed)["final"]
+    states = [json.loads((d / "checkpoint.json").read_text())["optimizer"] for d in (ref, killed)]
+    assert states[0] == states[1] and states[0]["optimizer"] == "mean_decay"
+    assert np.any(np.asarray(states[0]["offset"]) != 0.0)
+
+
 # ----------------------------------------------------------------- the tie-breaker's check
 
 
