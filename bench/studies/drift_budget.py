@@ -9,7 +9,9 @@ process, the same config and seed otherwise:
 * **anchor**: ``optimizer.drift_budget.anchor=1``, weight decay toward the SFT point;
 * **KL penalty**: ``optimizer.drift_budget.kl_penalty=10`` on the anchor set;
 * **KL budget**: ``optimizer.drift_budget.kl_budget`` at 1.25x the seed's own SFT adapter's
-  off-task KL(base || SFT) (the *off* run's drift report), i.e. a quarter more drift than SFT.
+  off-task KL(base || SFT) (the *off* run's drift report), i.e. a quarter more drift than SFT;
+* **decay**: ``optimizer.drift_budget.decay`` at 0.02, 0.05 and 0.1, the mean moved back toward
+  its start after every generation (not in the default arms: ``--arms``).
 
 Reported per arm: held-out gain over the SFT adapter (paired SE over the same items), and the
 final drift report's KL(base || tuned), KL(SFT || tuned), the search's update size
@@ -38,8 +40,12 @@ ARMS: dict[str, list[str]] = {
     "anchor 1": ["optimizer.drift_budget.anchor=1"],
     "KL penalty 10": ["optimizer.drift_budget.kl_penalty=10"],
     "KL budget 1.25x SFT": [],  # the value comes from the seed's off run
+    "decay 0.02": ["optimizer.drift_budget.decay=0.02"],
+    "decay 0.05": ["optimizer.drift_budget.decay=0.05"],
+    "decay 0.1": ["optimizer.drift_budget.decay=0.1"],
 }
 BUDGET_ARM = "KL budget 1.25x SFT"
+DEFAULT_ARMS = ["off", "anchor 1", "KL penalty 10", BUDGET_ARM]
 
 
 def one_run(args: argparse.Namespace, arm: str, seed: int, extra: list[str]) -> dict[str, Any]:
@@ -129,7 +135,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.8), dpi=120)
-    for marker, arm in zip("osD^v", dict.fromkeys(r["arm"] for r in runs), strict=False):
+    for marker, arm in zip("osD^vPX*", dict.fromkeys(r["arm"] for r in runs), strict=False):
         mine = [r for r in runs if r["arm"] == arm]
         ax.scatter([r["kl_base"] for r in mine], [r["vs_sft"]["gain"] for r in mine],
                    marker=marker, label=arm)  # fmt: skip
@@ -151,7 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=None, help="a config file (default: the demo)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reuse", action="store_true", help="keep finished runs under --root")
