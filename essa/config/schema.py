@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from essa.algorithms import RECIPES
 from essa.config.backend import (
     VLLM_DROPPED_QUANTIZATION,
     AdapterConfig,
@@ -41,12 +42,11 @@ from essa.config.gradient import (
 )
 from essa.config.run import RunConfig, check_run
 from essa.config.tools import ToolsConfig, check_tools
-from essa.recipes import RECIPES
 
 
 @dataclass(frozen=True)
 class Config:
-    algorithm: str = "essa"  # a registered recipe (essa.recipes): essa, grpo, dpo, scalebio
+    algorithm: str = "essa"  # a registered recipe (essa.algorithms): essa, grpo, dpo, scalebio
     backend: Literal["hf", "vllm"] = "hf"  # evaluation backend of the ESSA recipe
     model: ModelConfig = field(default_factory=ModelConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
