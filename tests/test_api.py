@@ -17,7 +17,7 @@ import essa
 from essa import recipes
 from essa.config import Config, ConfigError, load_config
 from essa.errors import UserError
-from essa.gradient.variants import VARIANTS
+from essa.grpo_variants import VARIANTS
 
 # A run of seconds on the bundled demo (tests/test_train_e2e.py's small settings). The tiny
 # model may start at its validation floor, which stops a search before it starts: no

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from essa.config.errors import ConfigError
-from essa.gradient.variants import VARIANTS
+from essa.grpo_variants import VARIANTS
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class PrimeConfig:
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    """The gradient backend (algorithm: grpo); presets per loss in essa/gradient/variants.py."""
+    """The gradient backend (algorithm: grpo); presets per loss in essa/grpo_variants.py."""
 
     loss: str = "grpo"  # a variant preset (VARIANTS): advantages, normaliser, clip, beta, filter
     group_size: int = 8  # G completions sampled per prompt

@@ -7,7 +7,7 @@ and the one piece of running state (DCPO's per-prompt statistics) is passed in a
 Shapes: N prompts (groups) of G completions each; B = N * G completion rows of T tokens.
 Rewards are ``(N, G)`` float tensors with NaN where the reward was None (not gradable).
 
-A variant (:data:`VARIANTS`, :func:`get_variant`; the table is in :mod:`essa.gradient.variants`)
+A variant (:data:`VARIANTS`, :func:`get_variant`; the table is in :mod:`essa.grpo_variants`)
 is a preset: how advantages are formed, which normaliser aggregates the token losses, the clip
 range, beta (KL k3), dual-clip, the group filter (dynamic sampling) and whether truncated
 completions are masked. The recipe logs the preset.
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor
 
-from essa.gradient.variants import (
+from essa.grpo_variants import (
     TRL_EPS_STD,
     VERL_EPS_STD,
     GroupFilter,
@@ -40,7 +40,7 @@ from essa.gradient.variants import (
     Variant,
     get_variant,
 )
-from essa.gradient.variants import VARIANTS as VARIANTS  # the presets' table, re-exported
+from essa.grpo_variants import VARIANTS as VARIANTS  # the presets' table, re-exported
 
 if TYPE_CHECKING:
     from essa.config import GRPOConfig

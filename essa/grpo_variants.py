@@ -2,8 +2,9 @@
 
 Adding a variant is one :class:`Variant` in :data:`VARIANTS`: the config takes its name as a
 ``grpo.loss`` value (essa/config/gradient.py reads this table) and the losses in
-:mod:`essa.gradient.losses` read its fields. Plain data, no torch: the config checks its names
-without loading the numeric stack.
+:mod:`essa.gradient.losses` read its fields. Plain data, no torch, and nothing of essa imported:
+the config (the bottom layer) checks its names without loading the numeric stack or depending
+on the gradient toolkit.
 """
 
 from __future__ import annotations
