@@ -340,7 +340,7 @@ def export(
 
     The result is a plain checkpoint that transformers and vLLM load without PEFT.
     """
-    from essa.adapters.merge_export import export_merged
+    from essa.backends.merge_export import export_merged
 
     _setup_logging()
     if not (run_dir / "config.yaml").is_file():

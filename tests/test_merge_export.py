@@ -85,7 +85,7 @@ def test_export_refusals(run_dir: Path, tmp_path: Path) -> None:
 
 
 def test_quantised_base_merges_into_full_precision(run_dir: Path, tmp_path: Path) -> None:
-    from essa.adapters.merge_export import export_merged
+    from essa.backends.merge_export import export_merged
     from essa.config import load_config
 
     cfg = load_config(run_dir / "config.yaml", ["model.quantization=int8"])
@@ -99,7 +99,7 @@ def test_merged_model_stops_where_generation_stops(tiny_model_dir: Path, tmp_pat
     tokenizer's EOS being 1): the merged checkpoint stops on both, as the run's generation did."""
     import shutil
 
-    from essa.adapters.merge_export import export_merged
+    from essa.backends.merge_export import export_merged
     from essa.backends.models import load_model
     from essa.backends.stops import stop_token_ids
     from essa.config import AdapterConfig, load_config
