@@ -20,6 +20,13 @@ def test_builtin_arithmetic_is_unchanged() -> None:
     assert BUILTIN_SOURCES[0] == "builtin:arithmetic"
 
 
+def test_the_builtin_source_names_are_the_generated_levels() -> None:
+    """essa.sources names the built-in sources for the config, which imports no generators:
+    the names are two-digit addition and every level of ARITHMETIC_LEVELS, in its order."""
+    levels = [f"builtin:{name}" for name in ARITHMETIC_LEVELS]
+    assert list(BUILTIN_SOURCES) == ["builtin:arithmetic", *levels]
+
+
 def _evaluate(prompt: str) -> int:
     for op in ("+", "*"):
         if op in prompt:

@@ -82,8 +82,7 @@ def _check_heldout_metric(metric: str | None) -> None:
 
 
 def _check_drift(d: DriftConfig) -> None:
-    from essa.data.gym import GYM_PREFIX
-    from essa.data.loaders import BUILTIN_SOURCES
+    from essa.sources import BUILTIN_SOURCES, GYM_PREFIX
 
     for key, value in (("tokens", d.tokens), ("retention_tokens", d.retention_tokens)):
         if value < 1:
@@ -101,7 +100,7 @@ def _check_drift(d: DriftConfig) -> None:
 
 def _check_gym_task(task: str) -> None:
     """A reasoning-gym retention task exists (checked at load: retention runs after SFT)."""
-    from essa.data.gym import gym_tasks
+    from essa.sources import gym_tasks
 
     where = f"evaluation.drift.retention: reasoning_gym:{task}"
     try:

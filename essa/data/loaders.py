@@ -36,11 +36,11 @@ from typing import Any
 import numpy as np
 
 from essa.data.arithmetic import arithmetic_examples
-from essa.data.generators import ARITHMETIC_LEVELS, level_examples
+from essa.data.generators import level_examples
 from essa.rewards.extract import last_boxed, normalize_gold
+from essa.sources import BUILTIN_SOURCES
 from essa.types import Example, PreferencePair
 
-BUILTIN_SOURCES = ("builtin:arithmetic", *(f"builtin:{name}" for name in ARITHMETIC_LEVELS))
 FILE_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".parquet")
 
 # (where, record): "where" is "FILE:LINE" or "SOURCE: row N", used in error messages.

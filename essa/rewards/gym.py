@@ -59,10 +59,10 @@ def gym_score(
     otherwise, per the task), where ``entry_i`` is the dataset entry whose question is
     ``prompts[i]`` (or is contained in it, when a template wrapped the question). The dataset is
     regenerated with the ``reasoning_gym:TASK`` source's ``size`` and ``seed``
-    (:mod:`essa.data.gym`) and its ``data.params`` (``params``); change them only together.
+    (:mod:`essa.sources`) and its ``data.params`` (``params``); change them only together.
     None for a prompt of no entry.
     """
-    from essa.data.gym import GYM_SEED, GYM_SIZE, gym_dataset
+    from essa.sources import GYM_SEED, GYM_SIZE, gym_dataset
 
     seed = GYM_SEED if seed is None else seed
     dataset = gym_dataset(task, size=size or GYM_SIZE, seed=seed, params=params)
