@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from essa.config import Config, ConfigError, dump_config, load_config
-from essa.data.build_demo import CONFIG_DEFAULTS as DEMO_DEFAULTS
+from essa.config.loader import DEMO_DEFAULTS
 from tests.cli_runner import essa
 
 ROOT = Path(__file__).resolve().parent.parent

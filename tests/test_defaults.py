@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from essa.config import Config, load_config, tiny_sft_warning
-from essa.data.build_demo import CONFIG_DEFAULTS as DEMO_DEFAULTS
+from essa.config.loader import DEMO_DEFAULTS
 from tests.cli_runner import essa
 
 ROOT = Path(__file__).resolve().parent.parent

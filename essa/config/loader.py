@@ -180,14 +180,29 @@ def _apply_override(data: dict[str, Any], keys: list[str], value: Any) -> None:
     node[keys[-1]] = value
 
 
+# The bundled demo model's values (model.name_or_path: builtin:demo, built by
+# essa/data/build_demo.py) where they differ from the schema's defaults, which suit a real chat
+# model. The loader takes them for keys the config leaves unset and logs which; configs/demo.yaml
+# spells them out, and docs/configuration.md says why each default differs.
+DEMO_DEFAULTS: Mapping[str, object] = types.MappingProxyType(
+    {
+        "sft.steps": 4,  # with batch_size 100: a deliberately weak SFT, leaving the search room
+        "sft.batch_size": 100,  # one step per pass over the 100 SFT examples
+        "optimizer.sigma0": 1.0,  # the tiny latent skill needs big relative steps
+        "data.template": "raw",  # the character tokenizer has no chat template
+        "data.sft_size": 100,  # enough correct examples for the weak SFT
+        "generation.max_new_tokens": 8,  # "a+b=" answers take at most 4 characters
+        "evaluation.use_scale_baseline": True,  # cheap here, and it tells most of the story
+    }
+)
+
+
 def model_defaults(name_or_path: str) -> Mapping[str, object]:
     """The training values a builtin model states for itself (dotted key -> value), which a
     config for that model takes where it leaves the key unset; empty for any other model."""
     if name_or_path != "builtin:demo":
         return {}
-    from essa.data.build_demo import CONFIG_DEFAULTS  # numpy only; lazily, as data imports us
-
-    return CONFIG_DEFAULTS
+    return DEMO_DEFAULTS
 
 
 def _fill_model_defaults(data: dict[str, Any]) -> list[str]:

@@ -32,10 +32,8 @@ import json
 import math
 import platform
 import time
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import MappingProxyType
 
 import numpy as np
 
@@ -44,21 +42,6 @@ from essa.data.arithmetic import prompt_for, split_pairs
 DEFAULT_OUT = Path(__file__).resolve().parent / "demo"
 NUM_THREADS = 2
 NUM_VALIDATION = 500
-# A config's values for this model (model.name_or_path: builtin:demo) where they differ from the
-# schema's defaults, which suit a real chat model. The config loader takes them for keys the
-# config leaves unset and logs which (essa.config.loader.model_defaults); configs/demo.yaml spells
-# them out, and docs/configuration.md says why each default differs.
-CONFIG_DEFAULTS: Mapping[str, object] = MappingProxyType(
-    {
-        "sft.steps": 4,  # with batch_size 100: a deliberately weak SFT, leaving the search room
-        "sft.batch_size": 100,  # one step per pass over the 100 SFT examples
-        "optimizer.sigma0": 1.0,  # the tiny latent skill needs big relative steps
-        "data.template": "raw",  # the character tokenizer has no chat template
-        "data.sft_size": 100,  # enough correct examples for the weak SFT
-        "generation.max_new_tokens": 8,  # "a+b=" answers take at most 4 characters
-        "evaluation.use_scale_baseline": True,  # cheap here, and it tells most of the story
-    }
-)
 # <unk> is never produced (unknown characters are dropped, as Qwen2's own tokenizer does) but
 # must be named: transformers 5.x otherwise adds Qwen's "<|endoftext|>" as a 25th token.
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
