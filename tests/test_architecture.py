@@ -160,6 +160,65 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` collapsed to packages: ``essa.config.schema`` counts as ``essa.config``, a
+    top-level module (``essa.cli``) as itself; an edge inside one package is dropped."""
+
+    def package(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    packages: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        edges = packages.setdefault(package(name), set())
+        edges.update(package(t) for t in targets if package(t) != package(name))
+    for targets in list(packages.values()):
+        for target in targets:
+            packages.setdefault(target, set())
+    return packages
+
+
+def test_no_two_way_package_dependencies() -> None:
+    """No two packages of essa import each other, through any chain of packages: what both need
+    lives in the lower one or in a leaf module below both (essa.sources, essa.algorithms,
+    essa.grpo_variants), so each package has a place in one order of layers. Lazy and
+    TYPE_CHECKING imports count, as in :func:`test_no_import_cycles`."""
+    found = find_cycle(package_graph(module_graph()))
+    assert found is None, " -> ".join(found or [])
+
+
+def test_package_graph_finds_a_two_way_dependency() -> None:
+    graph = {
+        "essa.a": set(),
+        "essa.a.x": {"essa.b.y"},
+        "essa.a.z": {"essa.a.x"},  # inside one package: no edge
+        "essa.b.y": {"essa.a", "essa.leaf"},
+        "essa.leaf": set(),
+    }
+    packages = package_graph(graph)
+    assert packages == {"essa.a": {"essa.b"}, "essa.b": {"essa.a", "essa.leaf"}, "essa.leaf": set()}
+    assert find_cycle(packages) == ["essa.a", "essa.b", "essa.a"]
+    del graph["essa.b.y"]  # no module of essa.b imports essa.a any more
+    assert find_cycle(package_graph(graph)) is None
+
+
+def test_the_config_is_the_bottom_layer() -> None:
+    """essa.config imports, outside itself, only modules of packages that import nothing of
+    essa but leaf modules (those importing nothing of essa): the tables it checks names
+    against (essa.algorithms, essa.grpo_variants, essa.sources) and the numpy-only optimizer
+    registry, whose options are the optimizer section's keys."""
+    graph = module_graph()
+    packages = package_graph(graph)
+    leaves = {name for name, targets in graph.items() if not targets}
+    below = packages["essa.config"]
+    assert below, "the config reads the tables below it"
+    broken = [
+        f"essa.config -> {package} -> {', '.join(sorted(packages[package] - leaves))}"
+        for package in sorted(below)
+        if packages[package] - leaves
+    ]
+    assert not broken, "\n".join(broken)
+
+
 def test_recipes_are_imported_only_by_the_registry() -> None:
     """A recipe is its paper's loop: no module imports a recipe module (no recipe another, and
     nothing below the recipes one; shared machinery lives in the toolkits). The registry
