@@ -289,11 +289,14 @@ def _drift(
     import contextlib
     from dataclasses import replace
 
-    from essa import drift
+    from essa.drift.models import PeftModels
+    from essa.drift.report import measure
+    from essa.drift.update import peft_updates
+    from essa.setup import drift_settings
 
+    settings = drift_settings(cfg)
     if samples > 1:
-        no_samples = replace(cfg.evaluation.drift, samples=0)
-        cfg = replace(cfg, evaluation=replace(cfg.evaluation, drift=no_samples))
+        settings = replace(settings, drift=replace(settings.drift, samples=0))
     sft = None
     if sft_adapter is not None:
         from essa.errors import UserError
@@ -315,10 +318,10 @@ def _drift(
                 model.set_adapter("default")
 
         sft = use_sft
-    micro = cfg.evaluation.micro_batch_size
-    models = drift.PeftModels(model, tokenizer, micro, sft=sft, has_base=adapter is not None)
-    updates = drift.peft_updates(model, sft) if adapter is not None else None
-    return drift.measure(cfg, models, tokenizer, test, reward, updates)
+    micro = settings.micro_batch_size
+    models = PeftModels(model, tokenizer, micro, sft=sft, has_base=adapter is not None)
+    updates = peft_updates(model, sft) if adapter is not None else None
+    return measure(settings, models, tokenizer, test, reward, updates)
 
 
 def heldout_samples(

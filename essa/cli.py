@@ -309,7 +309,7 @@ def evaluate(
 def eval_lines(result: dict[str, Any], output: Path | None) -> list[str]:
     """``essa eval``'s summary: the scores, the drift's headline figures, where the whole
     result went (the JSON: --json on stdout, --output in a file)."""
-    from essa.drift import summary_line
+    from essa.drift.report import summary_line
 
     scores = ", ".join(f"{k} {v:.3f}" for k, v in result.items() if "@" in k or k == "mean_score")
     model = result["model"] + (f" + {result['adapter']}" if result["adapter"] else "")

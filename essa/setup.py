@@ -20,6 +20,7 @@ from essa.errors import UserError
 if TYPE_CHECKING:
     from essa.backends import EvaluatorSettings
     from essa.dist import Comm
+    from essa.drift.report import DriftSettings
     from essa.es.plan import PlanInputs, TaskLengths
     from essa.gradient.sft import SFTLimit
     from essa.harness import Harness, Reporter
@@ -78,6 +79,20 @@ def evaluator_settings(cfg: Config) -> EvaluatorSettings:
         cfg.run.seed,
         o.population_size,
         cfg.backend,
+        cfg.tools.calls,
+    )
+
+
+def drift_settings(cfg: Config) -> DriftSettings:
+    """The sections of ``cfg`` that the drift report reads."""
+    from essa.drift.report import DriftSettings
+
+    return DriftSettings(
+        cfg.evaluation.drift,
+        cfg.data,
+        cfg.generation,
+        cfg.evaluation.micro_batch_size,
+        cfg.run.seed,
         cfg.tools.calls,
     )
 

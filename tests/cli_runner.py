@@ -45,7 +45,7 @@ PRELOAD = [
     "essa.recipes.scalebio",
     "essa.backends.models",
     "essa.backends.generate",
-    "essa.drift",
+    "essa.drift.report",
     "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.llama.modeling_llama",
 ]

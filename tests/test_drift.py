@@ -1,4 +1,4 @@
-"""Drift and retention figures (essa/drift.py) on the tiny in-process Qwen2: KL, update size,
+"""Drift and retention figures (essa/drift/) on the tiny in-process Qwen2: KL, update size,
 the off-task set and the sampled metrics."""
 
 from __future__ import annotations
@@ -11,8 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from essa import drift
 from essa.config import ConfigError, load_config
+from essa.drift.models import PeftModels, PopulationModels
+from essa.drift.offtask import OFFTASK_TEXTS, offtask_kl, offtask_prompts
+from essa.drift.report import DriftSettings, adapter_pass_figures, measure
+from essa.drift.retention import grade_samples, retention_source, retention_task
+from essa.drift.update import adapter_updates, base_weights, peft_updates, update_size
+from essa.setup import drift_settings
 from tests.conftest import svd_setup
 
 PROMPTS = ["12+3=", "7*8=", "45-6=", "9 9 9", "1="]
@@ -39,8 +44,8 @@ def test_kl_of_a_model_against_itself_is_zero_and_grows_when_the_adapter_moves(
 ) -> None:
     base, tokenizer, adapter = svd_setup(tiny_model_dir)
     zero = np.zeros(adapter.dim)
-    same = drift.offtask_kl(
-        drift.PopulationModels(base, tokenizer, adapter, zero, 2), PROMPTS, 6, micro_batch_size=2
+    same = offtask_kl(
+        PopulationModels(base, tokenizer, adapter, zero, 2), PROMPTS, 6, micro_batch_size=2
     )
     # SFT and tuned are the same vector in two rows of one forward: identical distributions.
     assert abs(same["kl_sft"]) <= 1e-7
@@ -50,8 +55,8 @@ def test_kl_of_a_model_against_itself_is_zero_and_grows_when_the_adapter_moves(
     # |y_i| + 1 distributions per prompt: at least one each, at most tokens + 1.
     assert len(PROMPTS) <= same["kl_positions"] <= len(PROMPTS) * 7
     moved = 0.5 * adapter.stds() * np.random.default_rng(0).standard_normal(adapter.dim)
-    after = drift.offtask_kl(
-        drift.PopulationModels(base, tokenizer, adapter, moved, 2), PROMPTS, 6, micro_batch_size=3
+    after = offtask_kl(
+        PopulationModels(base, tokenizer, adapter, moved, 2), PROMPTS, 6, micro_batch_size=3
     )
     assert after["kl_sft"] > 1e-4
     assert after["kl_base_sft"] == pytest.approx(same["kl_base_sft"], rel=1e-5)  # the same SFT
@@ -67,23 +72,37 @@ def test_peft_and_population_paths_give_the_same_figures(tiny_model_dir: Path) -
     from essa.adapters import SVDAdapter
 
     peft_model, tokenizer = lora_model(tiny_model_dir)
-    peft = drift.PeftModels(peft_model, tokenizer, 2, sft=contextlib.nullcontext)
-    peft_kl = drift.offtask_kl(peft, PROMPTS, 6, micro_batch_size=2)
+    peft = PeftModels(peft_model, tokenizer, 2, sft=contextlib.nullcontext)
+    peft_kl = offtask_kl(peft, PROMPTS, 6, micro_batch_size=2)
     assert peft_kl["kl_sft"] == 0.0  # the same model run twice
-    peft_size = drift.peft_updates(peft_model, contextlib.nullcontext)
+    peft_size = peft_updates(peft_model, contextlib.nullcontext)
     assert peft_size is not None and peft_size["search"]["max"] == 0.0
     adapter = SVDAdapter.from_peft_model(peft_model, alpha=1.0)
     base = peft_model.unload()
     zero = np.zeros(adapter.dim)
-    pop_kl = drift.offtask_kl(
-        drift.PopulationModels(base, tokenizer, adapter, zero, 2), PROMPTS, 6, micro_batch_size=2
+    pop_kl = offtask_kl(
+        PopulationModels(base, tokenizer, adapter, zero, 2), PROMPTS, 6, micro_batch_size=2
     )
     assert pop_kl["kl_base"] == pytest.approx(peft_kl["kl_base"], rel=1e-4)
-    w0 = drift.base_weights(base, adapter.module_names)
+    w0 = base_weights(base, adapter.module_names)
     assert w0 is not None
-    pop_size = drift.update_size(adapter.delta_weights(zero), w0)
+    pop_size = update_size(adapter.delta_weights(zero), w0)
     assert pop_size["mean"] == pytest.approx(peft_size["final"]["mean"], rel=1e-5)
     assert pop_size["max"] == pytest.approx(peft_size["final"]["max"], rel=1e-5)
+
+
+def settings(micro_batch_size: int = 4, **drift: Any) -> DriftSettings:
+    """The drift settings of a raw-template run on builtin:arithmetic, ``drift`` changed."""
+    from dataclasses import replace
+
+    from essa.config import Config, DataConfig, GenerationConfig
+
+    cfg = Config(
+        data=DataConfig(source="builtin:arithmetic", template="raw"),
+        generation=GenerationConfig(max_new_tokens=6),
+    )
+    s = drift_settings(cfg)
+    return replace(s, micro_batch_size=micro_batch_size, drift=replace(s.drift, **drift))
 
 
 def test_pass_figures_are_the_final_reports_kl_and_update_and_can_be_off(
@@ -91,31 +110,21 @@ def test_pass_figures_are_the_final_reports_kl_and_update_and_can_be_off(
 ) -> None:
     """What every held-out pass logs is the final report's off-task KL and mean update size,
     flattened; with evaluation.drift.every_pass off it logs nothing."""
-    from dataclasses import replace
-
-    from essa.config import Config, DataConfig
-
     base, tokenizer, adapter = svd_setup(tiny_model_dir)
     vector = np.full(adapter.dim, 0.5)
-    cfg = Config(data=DataConfig(source="builtin:arithmetic", template="raw"))
-    cfg = replace(cfg, evaluation=replace(cfg.evaluation, micro_batch_size=4))
-    figures = drift.adapter_pass_figures(cfg, base, tokenizer, adapter, vector)
-    models = drift.PopulationModels(base, tokenizer, adapter, vector, 4)
-    updates = drift.adapter_updates(base, adapter, vector)
-    report = drift.measure(
-        replace(cfg, evaluation=replace(cfg.evaluation, drift=replace(
-            cfg.evaluation.drift, retention="none", samples=0))),
-        models, tokenizer, [], None, updates,
-    )  # fmt: skip
+    s = settings()
+    figures = adapter_pass_figures(s, base, tokenizer, adapter, vector)
+    models = PopulationModels(base, tokenizer, adapter, vector, 4)
+    updates = adapter_updates(base, adapter, vector)
+    report = measure(settings(retention="none", samples=0), models, tokenizer, [], None, updates)
     assert set(figures) == {"drift_kl_base", "drift_kl_sft", "drift_update"}
     assert figures["drift_kl_base"] == pytest.approx(report["kl_base"], rel=1e-6)
     assert figures["drift_kl_sft"] == pytest.approx(report["kl_sft"], rel=1e-6)
     assert figures["drift_kl_sft"] > 0  # the vector moved off the SFT point
     assert figures["drift_update"] == report["update"]["final"]["mean"]
-    off = replace(cfg.evaluation.drift, every_pass=False)
-    cfg_off = replace(cfg, evaluation=replace(cfg.evaluation, drift=off))
-    assert drift.adapter_pass_figures(cfg_off, base, tokenizer, adapter, vector) == {}
-    assert drift.adapter_pass_figures(cfg, None, tokenizer, adapter, vector) == {}  # vLLM
+    off = settings(every_pass=False)
+    assert adapter_pass_figures(off, base, tokenizer, adapter, vector) == {}
+    assert adapter_pass_figures(s, None, tokenizer, adapter, vector) == {}  # vLLM
 
 
 def test_update_size_matches_a_hand_computation(tiny_model_dir: Path) -> None:
@@ -128,7 +137,7 @@ def test_update_size_matches_a_hand_computation(tiny_model_dir: Path) -> None:
             w = module.base_layer.weight.detach().double().numpy()  # (m, n)
             delta = (8 / 4) * b @ a  # lora_alpha / r
             ratios.append(np.sqrt((delta**2).sum()) / np.sqrt((w**2).sum()))
-    report = drift.peft_updates(peft_model, None)
+    report = peft_updates(peft_model, None)
     assert report is not None and set(report) == {"final"}  # no SFT given: no sft, no search
     assert report["final"]["matrices"] == len(ratios) == 8  # q, k, v, o of 2 layers
     assert report["final"]["mean"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-5)
@@ -141,11 +150,11 @@ def test_offtask_prompts_are_fixed_and_leave_out_the_training_task() -> None:
     from essa.data.loaders import builtin_examples
 
     _, tokenizer = load_model(ModelConfig(name_or_path="builtin:demo"))
-    prompts = drift.offtask_prompts("builtin:arithmetic", 12, tokenizer)
-    assert prompts == drift.offtask_prompts("builtin:arithmetic", 12, tokenizer)
+    prompts = offtask_prompts("builtin:arithmetic", 12, tokenizer)
+    assert prompts == offtask_prompts("builtin:arithmetic", 12, tokenizer)
     assert len(prompts) == 12
     # The demo's digits-only vocabulary drops letters: no general-text prompt survives.
-    assert not set(prompts) & set(drift.OFFTASK_TEXTS)
+    assert not set(prompts) & set(OFFTASK_TEXTS)
     trained = {e.prompt for part in builtin_examples("builtin:arithmetic") for e in part}
     assert not set(prompts) & trained
     assert prompts[:2] == [
@@ -162,7 +171,7 @@ def test_grade_samples_counts_full_credit_and_answer_entropy() -> None:
 
     texts = ["3", "3", "4", "", "7", "8", "8", "8"]
     answers = ["3"] * 4 + ["7"] * 4
-    report = drift.grade_samples(texts, answers, ["p"] * 8, 4, reward)
+    report = grade_samples(texts, answers, ["p"] * 8, 4, reward)
     assert report["k"] == 4 and report["items"] == 2
     assert report["mean@4"] == pytest.approx((2 / 4 + 1 / 4) / 2)
     assert report["pass@4"] == 1.0 and report["maj@4"] == 0.5  # "8" outvotes "7"
@@ -172,15 +181,17 @@ def test_grade_samples_counts_full_credit_and_answer_entropy() -> None:
 
 
 def test_retention_source_and_its_check() -> None:
-    assert drift.retention_source(load_config(None, [])) == "builtin:arithmetic_mixed"
-    mixed = load_config(None, ["data.source=builtin:arithmetic_mixed"])
-    assert drift.retention_source(mixed) == "builtin:arithmetic"
-    assert drift.retention_source(load_config(None, ["evaluation.drift.retention=none"])) is None
-    assert drift.retention_source(load_config(None, ["evaluation.drift.items=0"])) is None
+    def source(*overrides: str) -> str | None:
+        cfg = load_config(None, list(overrides))
+        return retention_source(cfg.evaluation.drift, cfg.data)
+
+    assert source() == "builtin:arithmetic_mixed"
+    assert source("data.source=builtin:arithmetic_mixed") == "builtin:arithmetic"
+    assert source("evaluation.drift.retention=none") is None
+    assert source("evaluation.drift.items=0") is None
     with pytest.raises(ConfigError, match="evaluation.drift.retention"):
         load_config(None, ["evaluation.drift.retention=gsm8k"])
-    gym = load_config(None, ["evaluation.drift.retention=reasoning_gym:gcd"])
-    assert drift.retention_source(gym) == "reasoning_gym:gcd"
+    assert source("evaluation.drift.retention=reasoning_gym:gcd") == "reasoning_gym:gcd"
     with pytest.raises(ConfigError, match="reasoning_gym:no_such_task: no such reasoning-gym"):
         load_config(None, ["evaluation.drift.retention=reasoning_gym:no_such_task"])
     with pytest.raises(ConfigError, match="is the training task"):
@@ -191,7 +202,7 @@ def test_retention_source_and_its_check() -> None:
 def test_a_reasoning_gym_retention_task_is_graded_by_its_own_scorer() -> None:
     """Held-out items of the gym task, graded with the task's score_answer: its own answers get
     full credit, a wrong one none (gym's partial credit for a wrong answer counts as wrong)."""
-    examples, grader = drift.retention_task("reasoning_gym:gcd", 5)
+    examples, grader = retention_task("reasoning_gym:gcd", 5)
     prompts = [e.prompt for e in examples]
     answers = [e.answer for e in examples]
     assert len(examples) == 5
@@ -205,25 +216,21 @@ def test_retention_generates_past_a_short_task_length(tiny_model_dir: Path) -> N
     answers); the run's own length applies when it is the longer."""
     from dataclasses import replace
 
-    from essa.config import Config, DataConfig, GenerationConfig
+    from essa.config import GenerationConfig
 
     base, tokenizer, adapter = svd_setup(tiny_model_dir)
     lengths: list[int] = []
 
-    class Recording(drift.PopulationModels):
+    class Recording(PopulationModels):
         def generate(self, prompts, gen, names, **kwargs):  # type: ignore[no-untyped-def]
             lengths.append(gen.max_new_tokens)
             return super().generate(prompts, gen, names, **kwargs)
 
     def run(max_new_tokens: int) -> dict[str, Any]:
-        cfg = Config(
-            data=DataConfig(source="builtin:arithmetic", template="raw"),
-            generation=GenerationConfig(max_new_tokens=max_new_tokens),
-        )
-        d = replace(cfg.evaluation.drift, prompts=0, items=3, samples=0, retention_tokens=5)
-        cfg = replace(cfg, evaluation=replace(cfg.evaluation, micro_batch_size=4, drift=d))
+        s = settings(prompts=0, items=3, samples=0, retention_tokens=5)
+        s = replace(s, generation=GenerationConfig(max_new_tokens=max_new_tokens))
         models = Recording(base, tokenizer, adapter, np.zeros(adapter.dim), 4)
-        return drift.measure(cfg, models, tokenizer, [], None)
+        return measure(s, models, tokenizer, [], None)
 
     report = run(2)
     assert lengths == [5] and report["retention"]["items"] == 3

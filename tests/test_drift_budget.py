@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from essa import drift
 from essa.config import DriftBudgetConfig
+from essa.drift.models import PopulationModels
+from essa.drift.offtask import offtask_kl
 from essa.es.drift_budget import anchor_set, population_kl, shape
 from tests.conftest import svd_setup
 from tests.test_train_e2e import essa, sets
@@ -33,9 +34,7 @@ def test_population_kl_is_the_drift_reports_kl_row_by_row(tiny_model_dir: Path) 
     chunked = population_kl(base, adapter, anchors, population, micro_batch_size=len(PROMPTS))
     np.testing.assert_allclose(together, chunked, rtol=1e-5)
     for vector, kl in zip(population, together, strict=True):
-        alone = drift.offtask_kl(
-            drift.PopulationModels(base, tokenizer, adapter, vector, 8), PROMPTS, 6, 8
-        )
+        alone = offtask_kl(PopulationModels(base, tokenizer, adapter, vector, 8), PROMPTS, 6, 8)
         assert alone["kl_positions"] == anchors.positions
         assert kl == pytest.approx(alone["kl_base"], rel=1e-4)
     assert together[0] > 1e-3  # the SFT adapter itself is off the base

@@ -497,8 +497,8 @@ def test_drift_report_samples_with_the_runs_tool_calls(demo) -> None:  # type: i
     """Retention and pass@K of a run with tools generate as its rollouts do: the tuned
     candidate's completions of the drift report equal the evaluator's, tool outputs included;
     without tools the same models write no output block."""
-    from essa import drift
     from essa.backends.evaluator import PopulationEvaluator
+    from essa.drift.models import PopulationModels
 
     model, tok, adapter = demo
     x = np.random.default_rng(1).normal(size=adapter.dim) * adapter.stds()
@@ -506,7 +506,7 @@ def test_drift_report_samples_with_the_runs_tool_calls(demo) -> None:  # type: i
     gen = GenerationConfig(max_new_tokens=8)
     handle = forced_block_model(model, tok)
     try:
-        models = drift.PopulationModels(model, tok, adapter, x, 4, tools=tools)
+        models = PopulationModels(model, tok, adapter, x, 4, tools=tools)
         with_tools = models.generate(QUESTIONS, gen, ["tuned"], tools=True)["tuned"]
         text_only = models.generate(QUESTIONS, gen, ["tuned"])["tuned"]
         evaluator = PopulationEvaluator(

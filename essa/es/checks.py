@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from essa.es.watch import Watch
     from essa.harness import Harness
 
-DriftFigures = Callable[[AdapterVector], dict[str, Any]]  # rank 0's drift of a point (essa.drift)
+DriftFigures = Callable[[AdapterVector], dict[str, Any]]  # rank 0's drift (essa.drift.report)
 
 
 def val_prompts(task: Task, data: DataConfig, tokenizer: Any) -> list[str]:

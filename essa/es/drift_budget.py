@@ -5,10 +5,10 @@ of what it ranks, so drift can be priced or forbidden directly:
 
 * **KL penalty**: ``f_c -= kl_penalty * KL_c``, where ``KL_c`` is the mean per-token
   KL(base || candidate c) teacher-forced on a small anchor set (the first off-task prompts of
-  :func:`essa.drift.offtask_prompts` with the base model's greedy continuations), the figure the
-  drift report leads with. The base model's log-probs are computed once; each generation runs
-  one population-batched forward of all candidates' anchor rows (rows carry candidates, as in
-  the generation itself).
+  :func:`essa.drift.offtask.offtask_prompts` with the base model's greedy continuations), the
+  figure the drift report leads with. The base model's log-probs are computed once; each
+  generation runs one population-batched forward of all candidates' anchor rows (rows carry
+  candidates, as in the generation itself).
 * **KL budget**: a candidate with ``KL_c > kl_budget`` ranks below every candidate within it,
   and those over it rank by their KL (Deb's feasibility rule; CMA-ES reads only ranks, OpenAI-ES
   centered ranks).
@@ -35,7 +35,7 @@ from essa.types import Fitness, Population
 if TYPE_CHECKING:
     from essa.adapters.svd import SVDAdapter
     from essa.dist import Comm
-    from essa.drift import Pair
+    from essa.drift.models import Pair
 
 
 @dataclass
@@ -156,7 +156,8 @@ def anchor_set(
     from essa.backends.generate import generate_texts
     from essa.backends.teacher import encode_pairs
     from essa.config import GenerationConfig
-    from essa.drift import tail_logp, tail_mask
+    from essa.drift.models import tail_logp
+    from essa.drift.offtask import tail_mask
 
     gen = GenerationConfig(max_new_tokens=tokens, temperature=0.0)
     continuations, _ = generate_texts(
@@ -179,7 +180,8 @@ def population_kl(
     """(p,) per candidate, mean per-token KL(base || candidate) over the anchor positions; one
     forward per chunk of candidates, each row carrying its candidate's offsets."""
     from essa.adapters import PopulationLoRA, candidate_rows
-    from essa.drift import tail_logp, token_kl
+    from essa.drift.models import tail_logp
+    from essa.drift.offtask import token_kl
 
     a = len(anchor.pairs)
     per_chunk = max(1, micro_batch_size // a)
@@ -207,7 +209,7 @@ def drift_budget(
 ) -> DriftBudget | None:
     """The run's drift budget (None when ``optimizer.drift_budget`` is all off); the anchor set
     is rendered in ``data``'s template and scored ``micro_batch_size`` rows per forward."""
-    from essa.drift import rendered_offtask_prompts
+    from essa.drift.offtask import rendered_offtask_prompts
 
     if not (d.anchor or d.uses_kl):
         return None

@@ -66,7 +66,7 @@ SFT_PATIENCE = 2  # checks without improvement before SFT stops
 SFT_BACKWARD_FACTOR = 3.0  # a training step costs about 3 forwards (forward + backward)
 MIN_SECONDS = 1e-6  # a measured time below this (0 on a coarse clock) is priced at this
 # An anchor prompt past the template's shared part: its off-task text (4-8 tokens on SmolLM2's
-# tokenizer, essa.drift.OFFTASK_TEXTS) and the template's closing tokens.
+# tokenizer, essa.drift.offtask.OFFTASK_TEXTS) and the template's closing tokens.
 ANCHOR_TEXT_TOKENS = 10
 
 

@@ -136,7 +136,7 @@ def _checks(
     under vLLM) and the run's passes over its held-out splits."""
     from essa import setup
     from essa.backends import population_evaluator
-    from essa.drift import adapter_pass_figures, adapter_report
+    from essa.drift.report import adapter_pass_figures, adapter_report
     from essa.rewards.logprob import COMPLETION_LOGPROBS
 
     settings = setup.evaluator_settings(cfg)
@@ -144,8 +144,9 @@ def _checks(
     evaluator.record_logprobs = COMPLETION_LOGPROBS in reward.needs  # type: ignore[attr-defined]
     evaluator.reference_margin = cfg.reward.reference_signal == "margin"  # type: ignore[attr-defined]
     val = val_prompts(task, cfg.data, tokenizer)
-    pass_drift = functools.partial(adapter_pass_figures, cfg, model, tokenizer, adapter)
-    report = functools.partial(adapter_report, cfg, h, model, tokenizer, adapter, task.test)
+    drift = setup.drift_settings(cfg)
+    pass_drift = functools.partial(adapter_pass_figures, drift, model, tokenizer, adapter)
+    report = functools.partial(adapter_report, drift, h, model, tokenizer, adapter, task.test)
     return Checks(h, evaluator, task, test_prompts, val, budget, pass_drift, report)
 
 
@@ -241,7 +242,7 @@ def _finish(
     base_bytes: int,
 ) -> dict[str, Any]:
     """Evaluate the exported point on the held-out split (every rank, sharded); rank 0 alone
-    measures its drift (essa/drift.py), exports it and writes the summary (the others return
+    measures its drift (essa/drift/), exports it and writes the summary (the others return
     ``{}``)."""
     from essa.backends.memory import memory_metrics
 

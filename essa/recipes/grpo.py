@@ -54,9 +54,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from essa import drift
 from essa.config import Config, to_dict
 from essa.dist import Comm
+from essa.drift.models import PeftModels
+from essa.drift.report import DriftSettings, measure, pass_figures, summary_line
+from essa.drift.update import peft_updates
 from essa.errors import UserError
 from essa.gradient import checkpoint, losses, replay
 from essa.gradient.data import TaskData
@@ -71,6 +73,7 @@ from essa.gradient.schedule import lr_factor, set_lr
 from essa.gradient.update import policy_update
 from essa.harness import Harness, Phase
 from essa.rewards.base import DRAW_KEYS, Reward
+from essa.setup import drift_settings
 from essa.tools.turns import ToolTally
 
 if TYPE_CHECKING:
@@ -164,7 +167,7 @@ def _heldout_pass(
     if cfg.tools.python.max_tool_calls:
         record.update({"heldout_" + k: v for k, v in tally.metrics().items()})
     if cfg.evaluation.drift.every_pass:
-        record.update(drift.pass_figures(cfg, *_drift_models(cfg, policy, tokenizer)))
+        record.update(pass_figures(*_drift_models(cfg, policy, tokenizer)))
     return record
 
 
@@ -278,29 +281,26 @@ def _finish(
     return h.finish(summary)
 
 
-def _drift_models(cfg: Config, policy: Policy, tokenizer: Any) -> tuple[Any, Any]:
-    """(models, update sizes) the drift report compares. LISA trains the base weights (the SFT
-    adapter merged in), so it has neither a base nor an adapter to compare: the tuned model
-    only, and no update sizes."""
-    lisa = cfg.grpo.trainable == "lisa"
+def _drift_models(cfg: Config, policy: Policy, tokenizer: Any) -> tuple[DriftSettings, Any, Any]:
+    """(settings, models, update sizes) the drift report compares. LISA trains the base weights
+    (the SFT adapter merged in), so it has neither a base nor an adapter to compare: the tuned
+    model only, and no update sizes."""
+    lisa, mb = cfg.grpo.trainable == "lisa", cfg.evaluation.micro_batch_size
     sft = None if lisa else policy.frozen_reference
-    models = drift.PeftModels(
-        policy.model, tokenizer, cfg.evaluation.micro_batch_size, sft=sft, has_base=not lisa
-    )
-    return models, None if lisa else drift.peft_updates(policy.model, sft)
+    models = PeftModels(policy.model, tokenizer, mb, sft=sft, has_base=not lisa)
+    return drift_settings(cfg), models, None if lisa else peft_updates(policy.model, sft)
 
 
 def _drift(
     cfg: Config, h: Harness, policy: Policy, tokenizer: Any, data: TaskData
 ) -> dict[str, Any]:
-    """The final policy's drift report (essa/drift.py): under LISA pass@K and retention of
+    """The final policy's drift report (essa/drift/): under LISA pass@K and retention of
     the tuned model only (:func:`_drift_models`)."""
-    models, updates = _drift_models(cfg, policy, tokenizer)
+    settings, models, updates = _drift_models(cfg, policy, tokenizer)
     # Not under policy.inference(): its cached factors would outlive frozen_reference's swap.
     with h.phase("drift"):
-        report = drift.measure(cfg, models, tokenizer, data.test, h.metric, updates)
-    line = drift.summary_line(report)
-    if line is not None:
+        report = measure(settings, models, tokenizer, data.test, h.metric, updates)
+    if (line := summary_line(report)) is not None:
         h.say(line)
     return report
 

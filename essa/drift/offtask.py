@@ -1,0 +1,129 @@
+"""Off-task KL: how far the tuned model moved on text the base model would write.
+
+Mean per-token KL(base || tuned), KL(SFT || tuned) and KL(base || SFT), teacher-forced on the
+base model's own greedy continuations of fixed off-task prompts (:func:`offtask_prompts`),
+over the |y| + 1 next-token distributions from the end of the prompt to the token after the
+continuation (docs/drift.md, "Off-task KL").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from essa.config import DataConfig, GenerationConfig
+from essa.drift.models import Models, Pair
+from essa.types import Example
+
+# General-text prompts for the off-task set, interleaved with built-in arithmetic problems.
+# Short, so that prompt + continuation fit a small model's context.
+OFFTASK_TEXTS = (
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "Once upon a time, there was a",
+    "The opposite of hot is",
+    "A list of three primary colours:",
+    "def add(a, b):",
+    "The largest planet in the solar system is",
+    "Translate to French: good morning.",
+    "The first month of the year is",
+    "Photosynthesis is the process by which",
+    "My favourite book is",
+    "The chemical symbol for gold is",
+    "In 1492, Columbus",
+    "A haiku about the sea:",
+    "import numpy as np",
+    "The square root of 81 is",
+)
+
+
+def offtask_prompts(train_source: str, n: int, tokenizer: Any) -> list[str]:
+    """``n`` off-task prompts, the same for every run on the same task and tokenizer.
+
+    Round robin over :data:`OFFTASK_TEXTS` (those the tokenizer round-trips: a digits-only
+    vocabulary drops letters) and the fixed test splits of the built-in arithmetic tasks other
+    than ``train_source``, each in its own order, until ``n`` are taken or all are used.
+    """
+    from essa.data.loaders import BUILTIN_SOURCES, builtin_examples
+
+    def encodable(text: str) -> bool:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return tokenizer.decode(ids, skip_special_tokens=True) == text
+
+    streams = [[t for t in OFFTASK_TEXTS if encodable(t)]]
+    for source in BUILTIN_SOURCES:
+        if source != train_source:
+            streams.append([e.prompt for e in builtin_examples(source)[1][:n]])
+    out: list[str] = []
+    for i in range(max((len(s) for s in streams), default=0)):
+        out.extend(s[i] for s in streams if i < len(s))
+    return out[:n]
+
+
+def rendered_offtask_prompts(data: DataConfig, n: int, tokenizer: Any) -> list[str]:
+    """:func:`offtask_prompts` in ``data``'s template, as the run renders its own prompts."""
+    from essa.data.task import render_prompts
+
+    questions = [Example(prompt=t, answer=None) for t in offtask_prompts(data.source, n, tokenizer)]
+    return render_prompts(questions, data.template, tokenizer, data.system_prompt)
+
+
+def token_kl(logp_p: torch.Tensor, logp_q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) = sum_v p_v (log p_v - log q_v) per position, from log-probs (..., V).
+
+    >>> logp = torch.log_softmax(torch.tensor([[1.0, 2.0, 3.0]]), -1)
+    >>> float(token_kl(logp, logp))
+    0.0
+    """
+    return (logp_p.exp() * (logp_p - logp_q)).sum(-1)
+
+
+def tail_mask(chunk: Sequence[Pair], tail: int) -> torch.Tensor:
+    """(B, tail) bool: row i's last ``|c_i| + 1`` columns, the distributions that predict its
+    continuation and the token after it (:func:`essa.backends.teacher.tail_log_softmax`)."""
+    mask = torch.zeros((len(chunk), tail), dtype=torch.bool)
+    for i, (prompt, cont) in enumerate(chunk):
+        mask[i, tail - min(len(cont) + 1, len(prompt) + len(cont), tail) :] = True
+    return mask
+
+
+@torch.no_grad()
+def offtask_kl(
+    models: Models, prompts: Sequence[str], tokens: int, micro_batch_size: int
+) -> dict[str, Any]:
+    """Mean per-token KL between the models on the base model's greedy continuations of
+    ``prompts`` (``tokens`` new tokens at most): ``kl_base`` = KL(base || tuned), ``kl_sft`` =
+    KL(SFT || tuned), ``kl_base_sft`` = KL(base || SFT), where the models are known."""
+    from essa.backends.teacher import encode_pairs
+
+    gen = GenerationConfig(max_new_tokens=tokens, temperature=0.0)
+    continuations = models.generate(prompts, gen, ["base"])["base"]
+    pairs = encode_pairs(models.tokenizer, prompts, continuations)
+    wanted = {
+        "kl_base": ("base", "tuned"),
+        "kl_sft": ("sft", "tuned"),
+        "kl_base_sft": ("base", "sft"),
+    }
+    wanted = {k: v for k, v in wanted.items() if set(v) <= set(models.names)}
+    rows: dict[str, list[float]] = {k: [] for k in wanted}  # per prompt: the KL summed
+    counts: list[int] = []  # per prompt: its positions
+    for start in range(0, len(pairs), micro_batch_size):
+        chunk = pairs[start : start + micro_batch_size]
+        logps = models.log_softmax(chunk)  # name -> (B, tail, V)
+        mask = tail_mask(chunk, next(iter(logps.values())).shape[1])  # (B, tail)
+        counts.extend(mask.sum(1).tolist())
+        for key, (p, q) in wanted.items():
+            kl = token_kl(logps[p], logps[q]).double() * mask  # (B, tail)
+            rows[key].extend(kl.sum(1).tolist())
+    positions = sum(counts)
+    report: dict[str, Any] = {
+        k: sum(v) / positions if positions else math.nan for k, v in rows.items()
+    }
+    report.update(kl_prompts=len(pairs), kl_positions=positions)
+    # Per prompt, its mean per-token KL: two runs on the same base and prompts compare pairwise.
+    report["kl_per_prompt"] = {k: [float(f"{s / n:.6g}") for s, n in zip(v, counts, strict=True)]
+                               for k, v in rows.items()}  # fmt: skip
+    return report

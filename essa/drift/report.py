@@ -1,0 +1,194 @@
+"""The drift report of a run's final solution, the figures of every held-out pass, and the
+console line (docs/drift.md).
+
+The report reads its config sections through :class:`DriftSettings`, never the whole config;
+``essa.setup.drift_settings`` takes them from a run's config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from essa.config import DataConfig, DriftConfig, GenerationConfig, PythonToolConfig
+from essa.drift.models import Models, PopulationModels
+from essa.drift.offtask import offtask_kl, rendered_offtask_prompts
+from essa.drift.retention import (
+    retention,
+    retention_length,
+    retention_source,
+    retention_task,
+    sampled,
+)
+from essa.drift.update import adapter_updates, base_weights, update_size
+from essa.types import AdapterVector, Example
+
+if TYPE_CHECKING:
+    from essa.adapters.svd import SVDAdapter
+    from essa.harness import Harness
+
+
+@dataclass(frozen=True)
+class DriftSettings:
+    """The config sections the drift report reads."""
+
+    drift: DriftConfig  # evaluation.drift
+    data: DataConfig  # the run's task and template: the off-task set and retention's prompts
+    generation: GenerationConfig  # retention's and pass@K's decoding (resolved lengths)
+    micro_batch_size: int  # evaluation.micro_batch_size: KL rows per forward
+    seed: int  # run.seed: pass@K's sample streams derive from it
+    tools: PythonToolConfig | None = None  # tools.calls: retention and pass@K as the run rolls out
+
+
+def measure(
+    s: DriftSettings,
+    models: Models | None,
+    tokenizer: Any,
+    test: Sequence[Example],
+    reward: Any,
+    updates: Mapping[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The drift report of ``s.drift`` (``updates``: the update sizes, by adapter).
+
+    ``models`` None (no HF model, e.g. the vLLM backend): update sizes only.
+    """
+    report: dict[str, Any] = {}
+    if updates:
+        report["update"] = dict(updates)
+    if models is None:
+        return report
+    models = replace(models, tools=s.tools)  # retention and pass@K as the run rolls out
+    with _eval_mode(models.model):
+        report.update(_model_parts(s, models, tokenizer, test, reward))
+    return report
+
+
+def _model_parts(
+    s: DriftSettings,
+    models: Models,
+    tokenizer: Any,
+    test: Sequence[Example],
+    reward: Any,
+) -> dict[str, Any]:
+    from essa.data.task import render_prompts
+
+    def render(examples: Sequence[Example]) -> list[str]:
+        return render_prompts(examples, s.data.template, tokenizer, s.data.system_prompt)
+
+    d = s.drift
+    report: dict[str, Any] = _kl_part(s, models, tokenizer)
+    source = retention_source(d, s.data)
+    if source is not None:
+        examples, grader = retention_task(source, d.items)
+        gen = replace(s.generation, max_new_tokens=retention_length(d, s.generation))
+        report["retention"] = retention(models, examples, render(examples), gen, source, grader)
+    items = list(test[: d.items])
+    if d.samples >= 2 and items:
+        gen = replace(s.generation, temperature=d.temperature)
+        report["samples"] = sampled(models, items, render(items), gen, d.samples, reward, s.seed)
+    return report
+
+
+def _kl_part(s: DriftSettings, models: Models, tokenizer: Any) -> dict[str, Any]:
+    """Off-task KL (:func:`offtask_kl`) on ``s.drift.prompts`` prompts in the run's template;
+    {} when there is no base model to compare with or no prompt."""
+    d = s.drift
+    if not d.prompts or "base" not in models.names:
+        return {}
+    prompts = rendered_offtask_prompts(s.data, d.prompts, tokenizer)
+    return offtask_kl(models, prompts, d.tokens, s.micro_batch_size)
+
+
+def pass_figures(
+    s: DriftSettings,
+    models: Models | None,
+    updates: Mapping[str, dict[str, Any]] | None = None,
+) -> dict[str, float]:
+    """The drift figures of an intermediate held-out pass, as flat metrics fields: off-task KL
+    (``drift_kl_base``, ``drift_kl_sft``) and the mean relative update of the adapter
+    (``drift_update``); {} with ``drift.every_pass`` off. Retention and pass@K, which generate
+    far more, are the final report's (:func:`measure`)."""
+    if not s.drift.every_pass:
+        return {}
+    out: dict[str, float] = {}
+    if models is not None:
+        with _eval_mode(models.model):
+            kl = _kl_part(s, models, models.tokenizer)
+        out.update({f"drift_{k}": kl[k] for k in ("kl_base", "kl_sft") if k in kl})
+    final = (updates or {}).get("final")
+    if final:
+        out["drift_update"] = final["mean"]
+    return out
+
+
+@contextlib.contextmanager
+def _eval_mode(model: Any) -> Iterator[None]:
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
+
+
+def summary_line(report: Mapping[str, Any]) -> str | None:
+    """One console line of the report's headline figures (None when it has none)."""
+    parts = []
+    if "kl_base" in report:
+        parts.append(f"off-task KL(base||tuned) {report['kl_base']:.4f}")
+    if "kl_sft" in report:
+        parts.append(f"KL(SFT||tuned) {report['kl_sft']:.4f}")
+    final = report.get("update", {}).get("final")
+    if final:
+        parts.append(f"||dW||/||W0|| mean {final['mean']:.4f} max {final['max']:.4f}")
+    kept = report.get("retention")
+    if kept:
+        parts.append(f"retention ({kept['source']}) {kept['tuned']:.3f}")
+    samples = report.get("samples")
+    if samples:
+        k = samples["k"]
+        parts.append(f"pass@{k} {samples[f'pass@{k}']:.3f} maj@{k} {samples[f'maj@{k}']:.3f}")
+    return "drift: " + "; ".join(parts) if parts else None
+
+
+def adapter_report(
+    s: DriftSettings,
+    h: Harness,
+    model: Any,
+    tokenizer: Any,
+    adapter: SVDAdapter,
+    test: list[Example],
+    vector: AdapterVector,
+) -> dict[str, Any]:
+    """ESSA's drift report of ``vector`` (rank 0, after the search): ``model`` is the bare base
+    model (None under vLLM: update sizes need W0 too, so nothing is measured)."""
+    if model is None:
+        return {}
+    updates = adapter_updates(model, adapter, vector)
+    models = PopulationModels(model, tokenizer, adapter, np.asarray(vector), s.micro_batch_size)
+    with h.phase("drift"):
+        report = measure(s, models, tokenizer, test, h.metric, updates)
+    line = summary_line(report)
+    if line is not None:
+        h.say(line)
+    return report
+
+
+def adapter_pass_figures(
+    s: DriftSettings,
+    model: Any,
+    tokenizer: Any,
+    adapter: SVDAdapter,
+    vector: AdapterVector,
+) -> dict[str, float]:
+    """ESSA's :func:`pass_figures` for ``vector`` (rank 0; ``model`` None under vLLM: none)."""
+    if model is None or not s.drift.every_pass:
+        return {}
+    models = PopulationModels(model, tokenizer, adapter, np.asarray(vector), s.micro_batch_size)
+    w0 = base_weights(model, adapter.module_names)  # a pass reads the final update size only
+    updates = None if w0 is None else {"final": update_size(adapter.delta_weights(vector), w0)}
+    return pass_figures(s, models, updates)
