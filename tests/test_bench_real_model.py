@@ -565,15 +565,16 @@ def test_replay_pins_what_depended_on_the_clock(tmp_path: Path) -> None:
 
 
 def test_drift_columns_pair_essa_and_grpo_per_seed() -> None:
-    """The table's drift cells pool per-prompt KL pairs over the GRPO seeds into a ratio; the
-    drift table lists each seed's two reports; records without drift reports give "-" / no row."""
-    from bench.studies.real_model import drift_cells, drift_table
+    """The table's KL cell pools per-prompt KL pairs over the GRPO seeds into a ratio and its
+    retention cell averages each recipe's changes from base and SFT over its runs; the drift
+    table lists each seed's two reports; records without drift reports give "-" / no row."""
+    from bench.studies.real_model import drift_cells, drift_table, retention_cell
 
     def report(kl: list[float], kept: float, update: float, pass_k: float) -> dict:
         return {
             "kl_base": sum(kl) / len(kl), "kl_base_sft": 0.4, "kl_sft": 0.1,
             "kl_per_prompt": {"kl_base": kl},
-            "retention": {"change_from_sft": kept},
+            "retention": {"items": 128, "change_from_base": kept - 0.125, "change_from_sft": kept},
             "update": {"final": {"mean": update}},
             "samples": {"k": 4, "pass@4": pass_k},
         }  # fmt: skip
@@ -583,17 +584,19 @@ def test_drift_columns_pair_essa_and_grpo_per_seed() -> None:
     grpo = [{"seed": s, "summary": {"drift": report([1.0, 2.0], -0.25, 0.02, 0.75)},
              "grpo_vs_sft": {"gain": 0.06}} for s in (0, 1)]  # fmt: skip
     t = {"essa": essa, "grpo_runs": grpo}
-    kl, kept = drift_cells(t)
-    assert kl == "0.3000 / 1.5000 (0.20x ± 0.00)"  # every ESSA prompt is a fifth of GRPO's
-    assert kept == "+0.000 / -0.250"
+    assert drift_cells(t) == "0.3000 / 1.5000 (0.20x ± 0.00)"  # every ESSA prompt a fifth
+    assert retention_cell(t) == "-0.125 / +0.000 (2 x 128); -0.375 / -0.250 (2 x 128)"
     rows = drift_table({"tasks": {"chain_sum": t}}).splitlines()[2:]
     assert rows == [
         f"| chain_sum | {s} | +0.050 / +0.060 | 0.400 | 0.300 / 1.500 | 0.100 / 0.100 | "
-        "0.0100 / 0.0200 | 0.500 / 0.750 | +0.000 / -0.250 |"
+        "0.0100 / 0.0200 | 0.500 / 0.750 | -0.125 / +0.000 (1 x 128); -0.375 / -0.250 (1 x 128) |"
         for s in (0, 1)
     ]
+    # ESSA alone (no GRPO run): its retention change is still in the table
+    assert retention_cell({"essa": essa}) == "-0.125 / +0.000 (2 x 128); -"
+    assert drift_cells({"essa": essa}) == "-"
     old = {"essa": [{"seed": 0, "summary": {}}], "grpo": {"seed": 0, "summary": {}}}
-    assert drift_cells(old) == ("-", "-")
+    assert drift_cells(old) == "-" and retention_cell(old) == "-; -"
     assert drift_table({"tasks": {"chain_sum": {**old, "grpo_runs": [old["grpo"]]}}}) == ""
 
 

@@ -138,10 +138,11 @@ def assert_drift_report(report: dict, k: int, items: int) -> None:
     for adapter in ("sft", "final", "search"):
         size = report["update"][adapter]
         assert 0 < size["mean"] <= size["max"] and size["matrices"] > 0
-    kept = report["retention"]
+    kept = report["retention"]  # the demo's auto choice; its changes from base and from SFT
     assert kept["source"] == "builtin:arithmetic_mixed" and kept["items"] == 64
     for model in ("base", "sft", "tuned"):
         assert_accuracy_over(64, kept[model])
+    assert kept["change_from_base"] == pytest.approx(kept["tuned"] - kept["base"])
     assert kept["change_from_sft"] == pytest.approx(kept["tuned"] - kept["sft"])
     samples = report["samples"]
     assert samples["k"] == k and samples["items"] == items

@@ -515,6 +515,26 @@ def pooled_kl_ratio(
     return kl_ratio(pairs)
 
 
+def retention_change(runs: Sequence[dict[str, Any]]) -> str:
+    """Retention's change of the tuned model from the base model and from the SFT adapter
+    (tuned - base / tuned - SFT, docs/drift.md), each the mean over the runs whose summaries
+    report both, with those runs' count and items; "-" when none does (GRPO with LISA has no
+    base or SFT model, a run before drift reports none).
+
+    >>> kept = {"change_from_base": 0.0625, "change_from_sft": -0.125, "items": 64}
+    >>> retention_change([{"summary": {"drift": {"retention": kept}}}, {"summary": {}}])
+    '+0.062 / -0.125 (1 x 64)'
+    """
+    reports = [(r["summary"].get("drift") or {}).get("retention") or {} for r in runs]
+    kept = [k for k in reports if "change_from_base" in k and "change_from_sft" in k]
+    if not kept:
+        return "-"
+    base = statistics.mean(k["change_from_base"] for k in kept)
+    sft = statistics.mean(k["change_from_sft"] for k in kept)
+    items = "/".join(str(n) for n in sorted({k["items"] for k in kept}))
+    return f"{base:+.3f} / {sft:+.3f} ({len(kept)} x {items})"
+
+
 @functools.cache
 def run_config(run_dir: Path) -> Any:
     """The resolved config a finished run wrote (read once per run directory)."""

@@ -53,6 +53,7 @@ from bench.studies.common import (
     pooled,
     pooled_kl_ratio,
     read_archive,
+    retention_change,
     sets,
     task_config,
     timed,
@@ -188,41 +189,43 @@ def grpo_cells(t: dict[str, Any]) -> tuple[str, str]:
     return grpo, f"{e_mem:.0f} / {g_mem:.0f} MB ({e_mem / g_mem:.2f}x)"
 
 
-def drift_cells(t: dict[str, Any]) -> tuple[str, str]:
-    """The table's drift cells, on the GRPO seeds: off-task KL(base || tuned) of ESSA and of
-    GRPO with their ratio (per-prompt pairs pooled over seeds, delta-method SE), and retention's
-    change from the SFT adapter for each; "-" where a record has no drift report."""
+def drift_cells(t: dict[str, Any]) -> str:
+    """The table's off-task KL cell, on the GRPO seeds: KL(base || tuned) of ESSA and of GRPO
+    with their ratio (per-prompt pairs pooled over seeds, delta-method SE); "-" without GRPO
+    runs or where a record has no drift report."""
     if not grpo_runs_of(t):
-        return "-", "-"
+        return "-"
     essa_by_seed = {r.get("seed"): r for r in t["essa"]}
-    kl, kept = {"essa": [], "grpo": []}, {"essa": [], "grpo": []}
+    kl: dict[str, list[float]] = {"essa": [], "grpo": []}
     paired_reports: dict[str, list[dict[str, Any]]] = {"essa": [], "grpo": []}
     for g in grpo_runs_of(t):
         reports = {"essa": essa_by_seed[g.get("seed")]["summary"].get("drift") or {},
                    "grpo": g["summary"].get("drift") or {}}  # fmt: skip
         if not all("kl_per_prompt" in r for r in reports.values()):
-            return "-", "-"
+            return "-"
         for k, r in reports.items():
             paired_reports[k].append(r)
             kl[k].append(r["kl_base"])
-            if "change_from_sft" in r.get("retention", {}):
-                kept[k].append(r["retention"]["change_from_sft"])
     r = pooled_kl_ratio(paired_reports["essa"], paired_reports["grpo"])
-    kl_cell = (f"{statistics.mean(kl['essa']):.4f} / {statistics.mean(kl['grpo']):.4f} "
-               f"({r['ratio']:.2f}x ± {r['se']:.2f})")  # fmt: skip
-    if not (kept["essa"] and kept["grpo"]):
-        return kl_cell, "-"
-    return kl_cell, f"{statistics.mean(kept['essa']):+.3f} / {statistics.mean(kept['grpo']):+.3f}"
+    return (f"{statistics.mean(kl['essa']):.4f} / {statistics.mean(kl['grpo']):.4f} "
+            f"({r['ratio']:.2f}x ± {r['se']:.2f})")  # fmt: skip
+
+
+def retention_cell(t: dict[str, Any]) -> str:
+    """Retention's change from the base model and from the SFT adapter, ESSA's over its seeds
+    and GRPO's over its own (:func:`~bench.studies.common.retention_change`)."""
+    return f"{retention_change(t['essa'])}; {retention_change(grpo_runs_of(t))}"
 
 
 def drift_table(result: dict[str, Any]) -> str:
     """Per GRPO seed, ESSA's and GRPO's drift reports side by side (both from the seed's SFT
     adapter): gains over SFT, off-task KL to the base and SFT models, the final update's mean
-    ||dW|| / ||W0||, pass@K and retention's change from SFT; "" when no record has them."""
+    ||dW|| / ||W0||, pass@K and retention's change from the base model and from SFT; "" when no
+    record has them."""
     lines = [
         "| task | seed | gain over SFT ESSA / GRPO | KL(base‖SFT) | KL(base‖tuned) ESSA / GRPO "
         "| KL(SFT‖tuned) ESSA / GRPO | ‖ΔW‖/‖W0‖ ESSA / GRPO | pass@K ESSA / GRPO "
-        "| retention change from SFT ESSA / GRPO |",
+        "| retention change from base / SFT (runs x items) ESSA; GRPO |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
 
@@ -249,7 +252,7 @@ def drift_table(result: dict[str, Any]) -> str:
                 f"{pair(de.get('kl_sft'), dg.get('kl_sft'), '.3f')} | "
                 f"{pair(figure(de, 'update', 'final', 'mean'), figure(dg, 'update', 'final', 'mean'), '.4f')} | "
                 f"{pair(figure(de, 'samples', f'pass@{k}'), figure(dg, 'samples', f'pass@{k}'), '.3f')} | "
-                f"{pair(figure(de, 'retention', 'change_from_sft'), figure(dg, 'retention', 'change_from_sft'), '+.3f')} |"
+                f"{retention_change([e])}; {retention_change([g])} |"
             )  # fmt: skip
     return "\n".join(lines) if len(lines) > 2 else ""
 
@@ -261,7 +264,8 @@ def table(result: dict[str, Any]) -> str:
         "| per seed z | full credit: SFT -> ESSA (paired SE) | run s (median) "
         "| generations made (planned) | search s actual / planned (share of budgeted phases / of run) "
         "| GRPO at equal wall-clock | peak RSS ESSA / GRPO "
-        "| off-task KL(base‖tuned) ESSA / GRPO (ratio ± SE) | retention change from SFT ESSA / GRPO |",
+        "| off-task KL(base‖tuned) ESSA / GRPO (ratio ± SE) "
+        "| retention change from base / SFT (runs x items) ESSA; GRPO |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for task, t in result["tasks"].items():
@@ -271,7 +275,7 @@ def table(result: dict[str, Any]) -> str:
         p = t["essa_vs_sft"]
         z = ", ".join(f"{v:.1f}" for v in p["per_seed_z"])
         grpo, mem = grpo_cells(t)
-        kl, kept = drift_cells(t)
+        kl, kept = drift_cells(t), retention_cell(t)
         strict = "-"
         if "essa_vs_sft_full_credit" in t:
             f = t["essa_vs_sft_full_credit"]
