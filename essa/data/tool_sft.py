@@ -8,8 +8,9 @@ a solver below recognises gets the target a tool-using rollout should produce::
 (with the defaults: a ```` ```python ```` block, then ```` ```output ```` holding what the code
 prints, then ``The answer is <answer>.``), so a small chat model learns the format in the SFT
 stage. A solver reads numbers out of the question and writes the code that computes the answer
-(an arithmetic expression, gcd/lcm, bit counts, letter counts); the value is computed here the
-same way the code would print it, and the example keeps its text target unless that value
+(an arithmetic expression, gcd/lcm, bit counts, letter counts, the legs of the animals listed,
+``datetime``/``calendar`` calls on dates written out); the value is computed here the same way
+the code would print it, and the example keeps its text target unless that value
 equals its reference answer. Questions no solver reads keep their text target: the SFT then
 mixes both kinds, and the model may still call the tool on them.
 """
@@ -17,6 +18,9 @@ mixes both kinds, and the model may still call the tool on them.
 from __future__ import annotations
 
 import ast
+import calendar
+import contextlib
+import io
 import math
 import operator
 import re
@@ -26,8 +30,9 @@ from dataclasses import replace
 from essa.config import PythonToolConfig
 from essa.types import Example
 
-# (code ending in the expression to show, its value) from a question, or None when the solver
-# does not apply; the expression is printed (or shown, with show_last_expression).
+# (code ending in the expression to show, or in a print call, and its value) from a question,
+# or None when the solver does not apply; the expression is printed (or shown, with
+# show_last_expression).
 Solver = Callable[[str], tuple[str, str] | None]
 
 _EXPRESSION = re.compile(r"(?<![\w.])(-?\d[\d\s+\-*/().]*[\d)])\s*(?:=|\?|\.|$)")
@@ -109,7 +114,173 @@ def letter_count(question: str) -> tuple[str, str] | None:
     return f"{text!r}.lower().count({letter!r})", str(text.lower().count(letter))
 
 
-SOLVERS: tuple[Solver, ...] = (gcd_lcm, count_bits, letter_count, arithmetic)
+# Legs per animal, as a child learns them (insects 6, spiders 8, crabs 10, woodlice 14).
+LEGS = {
+    **dict.fromkeys(("snake", "sea slug", "jellyfish", "flatworm", "leech"), 0),
+    **dict.fromkeys(("chicken", "bird", "human", "duck"), 2),
+    **dict.fromkeys(
+        ("dog", "cat", "cow", "horse", "lion", "elephant", "giraffe", "tiger", "deer", "sheep"), 4
+    ),
+    "starfish": 5,
+    **dict.fromkeys(
+        (
+            "insect",
+            "ant",
+            "butterfly",
+            "beetle",
+            "bee",
+            "wasp",
+            "grasshopper",
+            "cricket",
+            "cockroach",
+            "praying mantis",
+            "firefly",
+        ),
+        6,
+    ),  # fmt: skip
+    **dict.fromkeys(("spider", "scorpion"), 8),
+    **dict.fromkeys(("crab", "lobster", "shrimp"), 10),
+    "woodlouse": 14,
+}
+
+
+def leg_count(question: str) -> tuple[str, str] | None:
+    """Count times legs, summed, for "how many legs ... if you have 5 spiders, 1 cow?": the
+    model must know each animal's legs and read the counts out of the sentence.
+
+    >>> leg_count("how many legs are there in total if you have 5 spiders, 1 cow?")
+    ('5 * 8 + 1 * 4', '44')
+    """
+    match = re.search(r"how many legs .* if you have (.+)\?", question)
+    if match is None:
+        return None
+    terms: list[tuple[int, int]] = []
+    for item in match.group(1).split(", "):
+        count, _, name = item.partition(" ")
+        name = name if name in LEGS else name.removesuffix("s")  # "5 spiders", "2 mantiss"
+        if not count.isdigit() or name not in LEGS:
+            return None
+        terms.append((int(count), LEGS[name]))
+    code = " + ".join(f"{count} * {legs}" for count, legs in terms)
+    return code, str(sum(count * legs for count, legs in terms))
+
+
+_MONTHS = tuple(calendar.month_name)[1:]  # January ... December
+_DATE = re.compile(
+    rf"({'|'.join(_MONTHS)}) (\d{{1,2}})(?:st)?\b(?:, (\d{{4}}))?|(\d\d)/(\d\d)/(\d{{4}})"
+)
+_WEEKDAY = re.compile(r"(Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday)")
+_ORDINALS = {"first": 0, "second": 1, "third": 2, "fourth": 3, "last": -1}
+# A question that names no year ("In a year where Tuesday is January 1st"): a common year, as
+# reasoning-gym's calendar_arithmetic takes.
+_COMMON_YEAR = 2022
+
+
+def _dates(question: str) -> list[tuple[int, int, int]]:
+    """The (year, month, day) dates in ``question`` in order ("May 11, 2022", "05/04/2022",
+    "January 1st"); a date without its year takes the next date's year (else a common year),
+    and an end date before its start date is in the next year."""
+    found: list[list[int | None]] = []
+    for m in _DATE.finditer(question):
+        if m.group(1):
+            found.append([int(m.group(3)) if m.group(3) else None, _MONTHS.index(m.group(1)) + 1,
+                          int(m.group(2))])  # fmt: skip
+        else:
+            found.append([int(m.group(6)), int(m.group(4)), int(m.group(5))])
+    year = _COMMON_YEAR
+    for date in reversed(found):
+        year = date[0] = date[0] or year
+    dates = [(int(y or 0), int(m or 0), int(d or 0)) for y, m, d in found]
+    if len(dates) == 2 and dates[1][1:] < dates[0][1:] and dates[1][0] == dates[0][0]:
+        dates[1] = (dates[1][0] + 1, *dates[1][1:])
+    return dates
+
+
+def calendar_question(question: str) -> tuple[str, str] | None:
+    """Code for reasoning-gym's calendar_arithmetic questions (leap years, the weekday of a
+    date or of a date some days away, a weekday's count between two dates, the n-th weekday of
+    a month): the model must turn the dates written in words into ``datetime.date`` arguments.
+
+    >>> calendar_question("What day of the week was October 28, 2022?")[1]
+    'Friday'
+    """
+    leap = re.search(r"(\d{4}) (?:is )?a leap year", question)
+    if leap:
+        year = int(leap.group(1))
+        code = f'import calendar\nprint("Yes" if calendar.isleap({year}) else "No")'
+        return code, "Yes" if calendar.isleap(year) else "No"
+    dates, weekdays = _dates(question), _WEEKDAY.findall(question)
+    code = _calendar_code(question, dates, weekdays)
+    if code is None:
+        return None
+    return code, _run_print(code)
+
+
+def _calendar_code(
+    question: str, dates: list[tuple[int, int, int]], weekdays: list[str]
+) -> str | None:
+    """The code of one calendar question kind, or None."""
+    date = "datetime.date({}, {}, {})".format
+    ordinal = re.search(rf"\b({'|'.join(_ORDINALS)}) {_WEEKDAY.pattern}", question)
+    month = re.search(rf"({'|'.join(_MONTHS)}) (\d{{4}})", question)
+    if ordinal and month and "ordinal does not exist" in question:
+        return _nth_weekday(ordinal.group(1), ordinal.group(2), month.group(1), month.group(2))
+    first = re.search(rf"{_WEEKDAY.pattern} is January 1st|January 1 fell on a {_WEEKDAY.pattern}"
+                      rf"|first day of the year was a {_WEEKDAY.pattern}", question)  # fmt: skip
+    if first and dates:
+        name, (year, _, _) = next(g for g in first.groups() if g), dates[-1]
+        return (f"import datetime\ndays = ({date(*dates[-1])} - datetime.date({year}, 1, 1)).days"
+                f'\nnames = {list(calendar.day_name)}\nprint(names[(names.index("{name}") + days)'
+                " % 7])")  # fmt: skip
+    counted = re.search(rf"many {_WEEKDAY.pattern}s|occurrences of {_WEEKDAY.pattern}"
+                        rf"|times does {_WEEKDAY.pattern} occur", question)  # fmt: skip
+    if len(dates) == 2 and re.search(r"business days|weekdays \(excluding", question):
+        test = ".weekday() < 5"
+    elif len(dates) == 2 and counted:
+        test = f'.strftime("%A") == "{next(g for g in counted.groups() if g)}"'
+    else:
+        test = None
+    if test is not None:
+        return (f"import datetime\nstart, end = {date(*dates[0])}, {date(*dates[1])}\n"
+                f"print(sum((start + datetime.timedelta(days=i)){test}\n"
+                f"          for i in range((end - start).days + 1)))")  # fmt: skip
+    offset = re.search(r"in (\d+) days|(\d+)-day jump|forward (\d+) days|(\d+) days (?:ago|before)"
+                       r"|backward (\d+) days", question)  # fmt: skip
+    if len(dates) == 1 and offset:
+        days = int(next(g for g in offset.groups() if g))
+        days = -days if re.search(r"ago|before|backward", offset.group(0)) else days
+        return (f"import datetime\nprint(({date(*dates[0])} + datetime.timedelta(days={days}))"
+                f'.strftime("%A"))')  # fmt: skip
+    if len(dates) == 1 and re.search(r"day of the week|weekday", question):
+        return f'import datetime\nprint({date(*dates[0])}.strftime("%A"))'
+    return None
+
+
+def _nth_weekday(ordinal: str, weekday: str, month_name: str, year: str) -> str:
+    """Code for the day of the month of the ``ordinal`` ``weekday`` (-1 when there is none)."""
+    month, index = _MONTHS.index(month_name) + 1, _ORDINALS[ordinal]
+    pick = "days[-1]" if index < 0 else f"days[{index}] if len(days) > {index} else -1"
+    return (f"import calendar\ndays = [d for d in range(1, calendar.monthrange({year}, {month})[1]"
+            f" + 1)\n        if calendar.day_name[calendar.weekday({year}, {month}, d)] =="
+            f' "{weekday}"]\nprint({pick})')  # fmt: skip
+
+
+def _run_print(code: str) -> str:
+    """What ``code`` (the calendar solver's own, standard library only) prints."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code, {})  # noqa: S102 (the solver's own code, never the model's)
+    return out.getvalue().strip()
+
+
+SOLVERS: tuple[Solver, ...] = (
+    gcd_lcm,
+    count_bits,
+    letter_count,
+    leg_count,
+    calendar_question,
+    arithmetic,
+)
 
 
 def solve(question: str) -> tuple[str, str] | None:
@@ -121,9 +292,19 @@ def solve(question: str) -> tuple[str, str] | None:
     return None
 
 
+def _prints(code: str) -> bool:
+    """Whether the code's last statement is a ``print(...)`` call (the calendar solver's)."""
+    last = ast.parse(code).body[-1]
+    return (
+        isinstance(last, ast.Expr)
+        and isinstance(last.value, ast.Call)
+        and getattr(last.value.func, "id", None) == "print"
+    )
+
+
 def tool_target(code: str, value: str, answer_line: str, cfg: PythonToolConfig) -> str:
     """The SFT target of one tool call (see the module docstring)."""
-    if not cfg.show_last_expression:  # the block must print its value itself
+    if not cfg.show_last_expression and not _prints(code):  # the block must print its value
         *head, last = code.split("\n")
         code = "\n".join([*head, f"print({last})"])
     return f"{cfg.code_start}{code}{cfg.code_end}{cfg.output_start}{value}{cfg.output_end}{answer_line}"
