@@ -196,6 +196,8 @@ def closing_lines(run_dir: Path, summary: dict[str, Any], unit: str) -> list[str
         f"{summary['generations']} {unit} in {summary['wall_seconds']:.0f} s",
         f"summary:  {run_dir / 'summary.json'} (printed by --json)",
     ]
+    if "tool_rows_0_calls" in summary.get("tools", {}):
+        lines.insert(1, tool_line(summary["tools"]))
     q = shlex.quote(str(exported))
     if (exported / "adapter_config.json").is_file() or not exported.exists():
         lines.append(f"adapter:  {exported}" + (f" ({point})" if point else ""))
@@ -207,6 +209,26 @@ def closing_lines(run_dir: Path, summary: dict[str, Any], unit: str) -> list[str
         lines.append(f"evaluate: essa eval {run}/config.yaml --set model.name_or_path={q}")
         lines.append(f"compare:  essa compare {run} OTHER_RUN_DIR --output {run}/compare")
     return lines
+
+
+def tool_line(tools: dict[str, float]) -> str:
+    """The final held-out pass's tool use in one line (essa.tools.turns.ToolTally's metrics).
+
+    >>> for part in tool_line({"tool_rows_0_calls": 0.1, "tool_rows_1_call": 0.8,
+    ...     "tool_rows_2plus_calls": 0.1, "tool_calls_per_row": 1.0, "tool_error_rate": 0.05,
+    ...     "tool_void_rows": 0}).split(", "):
+    ...     print(part)
+    tools:    answers with 0 / 1 / 2+ calls 0.10 / 0.80 / 0.10
+    1.00 calls each
+    0.05 of runs failed
+    0.00 with a void turn
+    """
+    return (
+        f"tools:    answers with 0 / 1 / 2+ calls {tools['tool_rows_0_calls']:.2f} / "
+        f"{tools['tool_rows_1_call']:.2f} / {tools['tool_rows_2plus_calls']:.2f}, "
+        f"{tools['tool_calls_per_row']:.2f} calls each, {tools['tool_error_rate']:.2f} of runs "
+        f"failed, {tools['tool_void_rows']:.2f} with a void turn"
+    )
 
 
 @app.command()

@@ -220,12 +220,50 @@ def test_tally_counts_calls_errors_and_answers_the_tool_printed() -> None:
     failed = Transcript(results=[ToolResult("", "", 1, False, False, "exit status 1: E")])
     tally = ToolTally()
     tally.add([called, failed, Transcript()], ["42", "7", None])
-    assert tally.metrics() == {
-        "tool_calls_per_row": 2 / 3,
-        "tool_error_rate": 0.5,
-        "tool_rows": 2 / 3,
-        "tool_output_used": 1 / 3,
-    }
+    metrics = tally.metrics()
+    assert metrics["tool_calls_per_row"] == 2 / 3
+    assert metrics["tool_error_rate"] == 0.5
+    assert metrics["tool_rows"] == 2 / 3
+    assert metrics["tool_output_used"] == 1 / 3
+
+
+def test_tally_shares_of_answers_by_calls_and_void_turns() -> None:
+    """Eight rows built with known calls and endings: 2 rows with no call, 3 with one, 3 with
+    two or more (one of them three); 2 of the 9 runs failed; 3 rows have a void turn (cut by
+    the length cap, twice, or stopped with no answer)."""
+    failed = ToolResult("", "", 1, False, False, "exit status 1: NameError")
+
+    def row(ends: list[str], results: list[ToolResult]) -> Transcript:
+        return Transcript(ends=ends, turns=["x"] * len(ends), results=results)  # type: ignore[arg-type]
+
+    rows = [
+        (row(["stop"], []), "5"),  # answered without the tool
+        (row(["length"], []), None),  # void: cut by the cap
+        (row(["code", "stop"], [ok("3\n")]), "3"),
+        (row(["code", "stop"], [failed]), None),  # void: stopped with no answer
+        (row(["code", "stop"], [ok("4\n")]), "4"),
+        (row(["code", "code", "stop"], [ok("1\n"), ok("2\n")]), "2"),
+        (row(["code", "code", "length"], [ok("1\n"), failed]), None),  # void
+        (row(["code", "code", "code", "stop"], [ok("1\n"), ok("2\n"), ok("6\n")]), "6"),
+    ]
+    tally = ToolTally()
+    tally.add([t for t, _ in rows], [a for _, a in rows])
+    metrics = tally.metrics()
+    assert (metrics["tool_rows_0_calls"], metrics["tool_rows_1_call"]) == (2 / 8, 3 / 8)
+    assert metrics["tool_rows_2plus_calls"] == 3 / 8
+    assert metrics["tool_rows"] == 6 / 8
+    assert metrics["tool_calls_per_row"] == 10 / 8 and metrics["tool_error_rate"] == 2 / 10
+    assert metrics["tool_void_rows"] == 3 / 8
+    assert metrics["tool_output_used"] == 4 / 8  # 3, 4, 2 and 6 were printed; 5 was not
+    # GRPO's void-turn filter reads the same turns
+    from essa.gradient.tool_rollout import void_turns
+
+    texts = {"5": "The answer is 5.", None: "no answer here"}
+    for t, answer in rows:
+        t.turns[-1] = texts.get(answer, f"The answer is {answer}.")
+    assert void_turns([t for t, _ in rows]).tolist() == [
+        False, True, False, True, False, False, True, False,
+    ]  # fmt: skip
 
 
 # ----------------------------------------------------------------- the HF decode, turn by turn
@@ -251,16 +289,17 @@ def demo():  # type: ignore[no-untyped-def]
 QUESTIONS = ["12+3=", "7+45=", "1+1=", "99+99=", "5+60=", "3+3=", "48+51=", "0+7="]
 
 
-def forced_block_model(model, tokenizer):  # type: ignore[no-untyped-def]
+def forced_block_model(model, tokenizer, again: bool = False):  # type: ignore[no-untyped-def]
     """The demo model steered into writing blocks (it never writes "(" or ")" itself): a
-    forward hook makes "(" the choice after "=" and ")" after a digit that follows "("."""
+    forward hook makes "(" the choice after "=" and ")" after a digit that follows "(";
+    ``again``: "(" after a space too (the output block's end), so a row calls a second time."""
     open_id, close_id = tokenizer.convert_tokens_to_ids("("), tokenizer.convert_tokens_to_ids(")")
-    equals = tokenizer.convert_tokens_to_ids("=")
+    opens = torch.tensor(tokenizer("= " if again else "=", add_special_tokens=False)["input_ids"])
     digits = torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789")))
 
     def hook(module, args, kwargs, output):  # type: ignore[no-untyped-def]
         ids = kwargs.get("input_ids", args[0] if args else None)  # (B, T) this forward's
-        output.logits[ids[:, -1] == equals, -1, open_id] += 30.0
+        output.logits[torch.isin(ids[:, -1], opens), -1, open_id] += 30.0
         output.logits[torch.isin(ids[:, -1], digits), -1, close_id] += 30.0
         return output
 
@@ -343,6 +382,50 @@ def test_the_population_evaluator_runs_tools_for_every_candidate(demo) -> None: 
     assert with_tools.take_tool_metrics()["tool_calls_per_row"] == 0.0  # a take resets
 
 
+@needs_bwrap
+def test_rows_call_twice_in_both_recipes_rollouts(demo) -> None:  # type: ignore[no-untyped-def]
+    """With max_tool_calls 2 a row calls again after its first output block, in ESSA's
+    population evaluator and in GRPO's rollout, and never a third time; the tally's shares are
+    the transcripts' counts."""
+    from essa.gradient.policy import Policy, Sampling
+    from essa.gradient.tool_rollout import tool_rollout
+    from essa.rewards.extract import extract_answer
+
+    model, tok, adapter = demo
+    two = replace(DEMO, max_tool_calls=2, allow_unisolated=False)
+    gen = GenerationConfig(max_new_tokens=8)
+    x = np.random.default_rng(0).normal(size=(2, adapter.dim)) * adapter.stds()
+    handle = forced_block_model(model, tok, again=True)
+    try:
+        from essa.backends.evaluator import PopulationEvaluator
+
+        evaluator = PopulationEvaluator(
+            model, tok, adapter, gen, EvaluationConfig(strategy="batched"), two
+        )
+        texts = [t for row in evaluator.completions(x, QUESTIONS) for t in row]
+        essa_metrics = evaluator.take_tool_metrics()
+        policy = Policy(model=model, params=[], reference=[])
+        out = tool_rollout(policy, tok, QUESTIONS, Sampling(gen, 4, 1.0, tools=two), seed=0)
+    finally:
+        handle.remove()
+    assert max(text.count("=") for text in texts) == 2  # two output blocks
+    assert essa_metrics["tool_rows_2plus_calls"] > 0
+    assert out.transcripts is not None
+    calls = [t.calls for t in out.transcripts]
+    assert max(calls) == 2
+    tally = ToolTally()
+    tally.add(out.transcripts, [extract_answer(t.turns[-1]) for t in out.transcripts])
+    grpo = tally.metrics()
+    assert grpo["tool_rows_2plus_calls"] == calls.count(2) / len(calls)
+    assert grpo["tool_rows_1_call"] == calls.count(1) / len(calls)
+    total = grpo["tool_rows_0_calls"] + grpo["tool_rows_1_call"] + grpo["tool_rows_2plus_calls"]
+    assert total == pytest.approx(1.0)
+    i = calls.index(2)  # both output blocks are masked out of the loss, the turns are not
+    own = [own for ids, own in out.transcripts[i].segments for _ in ids]
+    assert out.mask[i, : len(own)].tolist() == [float(o) for o in own]
+    assert [own for _, own in out.transcripts[i].segments][:4] == [True, False, True, False]
+
+
 # ---------------------------------------------------------------------------------- GRPO
 
 
@@ -391,17 +474,38 @@ def test_sft_code_targets_compute_the_reference_answer(task: str) -> None:
     assert target.endswith(f"The answer is {next(ex for ex in with_code if ex.solution).answer}.")
 
 
+@pytest.mark.parametrize("task", ["leg_counting", "calendar_arithmetic"])
+def test_word_problem_solvers_score_full_marks_by_the_tasks_own_scorer(task: str) -> None:
+    """The solvers that read quantities out of words (animals and their legs, dates written
+    out) answer every one of 200 items, and the task's own scorer gives each answer 1.0."""
+    pytest.importorskip("reasoning_gym")
+    from essa.data.gym import gym_dataset
+    from essa.data.tool_sft import solve
+
+    dataset = gym_dataset(task)
+    entries = [dataset[i] for i in range(200)]
+    found = [solve(entry["question"]) for entry in entries]
+    assert all(f is not None for f in found)
+    assert [dataset.score_answer(f[1], e) for f, e in zip(found, entries, strict=True)] == [
+        1.0
+    ] * 200
+
+
 @needs_bwrap
 def test_sft_code_prints_its_value_in_the_sandbox() -> None:
     pytest.importorskip("reasoning_gym")
-    from essa.data.gym import gym_examples
+    from essa.data.gym import gym_dataset, gym_examples
     from essa.data.tool_sft import solve
     from essa.tools.sandbox import run_python_batch
 
-    found = [
-        solve(gym_examples(task)[0].prompt)
-        for task in ("chain_sum", "gcd", "count_bits", "letter_counting")
-    ]
+    tasks = ("chain_sum", "gcd", "count_bits", "letter_counting", "leg_counting")
+    found = [solve(gym_examples(task)[0].prompt) for task in tasks]
+    kinds: dict[str, str] = {}  # one question of each calendar kind (7)
+    for entry in gym_dataset("calendar_arithmetic"):
+        kinds.setdefault(entry["metadata"]["task"], entry["question"])
+        if len(kinds) == 7:
+            break
+    found += [solve(question) for question in kinds.values()]
     codes = [with_echo(code) for code, _ in found if code]
     results = run_python_batch(codes, TORL, "bwrap")
     assert [r.stdout.strip() for r in results] == [value for _, value in found]
@@ -441,7 +545,8 @@ def test_train_with_tools_end_to_end(tmp_path: Path, algorithm: str) -> None:
 
     from tests.cli_runner import essa
 
-    sets = ["run.generations=2", "evaluation.every=1", "data.test_size=32", "sft.steps=4"]
+    sets = ["run.generations=2", "evaluation.every=1", "data.test_size=32", "sft.steps=4",
+            "tools.python.max_tool_calls=2"]  # fmt: skip
     if algorithm == "grpo":
         sets += ["algorithm=grpo", "grpo.prompts_per_step=4", "grpo.group_size=4",
                  "tools.python.drop_void_turns=true", "reward.reference_weight=0"]  # fmt: skip
@@ -456,12 +561,24 @@ def test_train_with_tools_end_to_end(tmp_path: Path, algorithm: str) -> None:
     if algorithm == "grpo":
         assert all("void_trajectories" in r for r in steps if not r.get("skipped"))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert set(summary["tools"]) == {
+    tools = summary["tools"]
+    assert set(tools) == {
         "tool_calls_per_row",
         "tool_error_rate",
         "tool_rows",
+        "tool_rows_0_calls",
+        "tool_rows_1_call",
+        "tool_rows_2plus_calls",
+        "tool_void_rows",
         "tool_output_used",
     }
+    shares = [tools["tool_rows_0_calls"], tools["tool_rows_1_call"], tools["tool_rows_2plus_calls"]]
+    assert sum(shares) == pytest.approx(1.0)
+    assert [line for line in res.stdout.splitlines() if line.startswith("tools:")] == [
+        "tools:    answers with 0 / 1 / 2+ calls " + " / ".join(f"{x:.2f}" for x in shares)
+        + f", {tools['tool_calls_per_row']:.2f} calls each, {tools['tool_error_rate']:.2f} of "
+        f"runs failed, {tools['tool_void_rows']:.2f} with a void turn"
+    ]  # fmt: skip
 
 
 def test_rows_that_wrote_the_same_code_share_one_run(demo_tokenizer) -> None:  # type: ignore[no-untyped-def]

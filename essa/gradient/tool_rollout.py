@@ -26,7 +26,7 @@ from essa import seeding
 from essa.backends.stops import ToolCallStop, stop_token_ids
 from essa.gradient.hooks import Record, no_rows
 from essa.gradient.policy import Policy, Rollout, Sampling, rollout_from_ids
-from essa.tools.turns import Transcript, run_turns
+from essa.tools.turns import Transcript, is_void, run_turns
 
 
 def tool_rollout(
@@ -106,14 +106,11 @@ def assemble(
 
 def void_turns(transcripts: Sequence[Transcript]) -> torch.Tensor:
     """(B,) bool: trajectories with a turn that ends with neither a closed code block nor an
-    answer (SimpleTIR's void turn; see the module docstring)."""
+    answer (SimpleTIR's void turn, :func:`essa.tools.turns.is_void`)."""
     from essa.rewards.extract import extract_answer
 
-    def void(end: str, text: str) -> bool:
-        return end != "code" and (end == "length" or extract_answer(text) is None)
-
     return torch.tensor(
-        [any(void(e, x) for e, x in zip(t.ends, t.turns, strict=True)) for t in transcripts],
+        [is_void(t, extract_answer(t.turns[-1]) if t.turns else None) for t in transcripts],
         dtype=torch.bool,
     )
 

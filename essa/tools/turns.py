@@ -249,15 +249,26 @@ def _may_close(tokenizer: Any, token: int, char: str) -> bool:
     )
 
 
+def is_void(transcript: Transcript, answer: str | None) -> bool:
+    """SimpleTIR's void turn: a turn that ends with neither a closed code block nor an answer.
+    Only a row's last turn can end without a block, so that is a last turn cut by the length
+    cap, or one that stopped with no ``answer`` (the reward's extractor on the last turn)."""
+    if not transcript.ends:
+        return False
+    return "length" in transcript.ends or (transcript.ends[-1] == "stop" and answer is None)
+
+
 @dataclass
 class ToolTally:
-    """Tool use over a set of rollouts, for the metrics: rows, calls, errors, rows that called,
-    and rows whose final turn states an answer that a tool printed."""
+    """Tool use over a set of rollouts, for the metrics: rows, calls, errors, rows by their
+    number of calls (0, 1, 2 or more), rows with a void turn, and rows whose final turn states
+    an answer that a tool printed."""
 
     rows: int = 0
     calls: int = 0
     errors: int = 0
-    rows_calling: int = 0
+    by_calls: list[int] = field(default_factory=lambda: [0, 0, 0])  # rows with 0, 1, 2+ calls
+    void: int = 0
     output_used: int = 0
 
     def add(self, transcripts: Sequence[Transcript], answers: Sequence[str | None]) -> None:
@@ -266,7 +277,8 @@ class ToolTally:
             self.rows += 1
             self.calls += t.calls
             self.errors += t.errors
-            self.rows_calling += t.calls > 0
+            self.by_calls[min(t.calls, 2)] += 1
+            self.void += is_void(t, answer)
             self.output_used += answer is not None and _printed(answer, t.results)
 
     def metrics(self) -> dict[str, float]:
@@ -274,7 +286,11 @@ class ToolTally:
         return {
             "tool_calls_per_row": self.calls / rows,
             "tool_error_rate": self.errors / max(self.calls, 1),
-            "tool_rows": self.rows_calling / rows,
+            "tool_rows": (self.rows - self.by_calls[0]) / rows,
+            "tool_rows_0_calls": self.by_calls[0] / rows,
+            "tool_rows_1_call": self.by_calls[1] / rows,
+            "tool_rows_2plus_calls": self.by_calls[2] / rows,
+            "tool_void_rows": self.void / rows,
             "tool_output_used": self.output_used / rows,
         }
 
