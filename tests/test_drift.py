@@ -1,5 +1,5 @@
 """Drift and retention figures (essa/drift/) on the tiny in-process Qwen2: KL, update size,
-the off-task set and the sampled metrics."""
+the off-task set, the run's cache of base continuations and the sampled metrics."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from essa.config import ConfigError, load_config
 from essa.drift.models import PeftModels, PopulationModels
-from essa.drift.offtask import OFFTASK_TEXTS, offtask_kl, offtask_prompts
+from essa.drift.offtask import OFFTASK_TEXTS, ContinuationCache, offtask_kl, offtask_prompts
 from essa.drift.report import DriftSettings, adapter_pass_figures, measure
 from essa.drift.retention import grade_samples, retention_source, retention_task
 from essa.drift.update import adapter_updates, base_weights, peft_updates, update_size
@@ -113,7 +113,7 @@ def test_pass_figures_are_the_final_reports_kl_and_update_and_can_be_off(
     base, tokenizer, adapter = svd_setup(tiny_model_dir)
     vector = np.full(adapter.dim, 0.5)
     s = settings()
-    figures = adapter_pass_figures(s, base, tokenizer, adapter, vector)
+    figures = adapter_pass_figures(s, ContinuationCache(), base, tokenizer, adapter, vector)
     models = PopulationModels(base, tokenizer, adapter, vector, 4)
     updates = adapter_updates(base, adapter, vector)
     report = measure(settings(retention="none", samples=0), models, tokenizer, [], None, updates)
@@ -123,8 +123,53 @@ def test_pass_figures_are_the_final_reports_kl_and_update_and_can_be_off(
     assert figures["drift_kl_sft"] > 0  # the vector moved off the SFT point
     assert figures["drift_update"] == report["update"]["final"]["mean"]
     off = settings(every_pass=False)
-    assert adapter_pass_figures(off, base, tokenizer, adapter, vector) == {}
-    assert adapter_pass_figures(s, None, tokenizer, adapter, vector) == {}  # vLLM
+    assert adapter_pass_figures(off, ContinuationCache(), base, tokenizer, adapter, vector) == {}
+    none = adapter_pass_figures(s, ContinuationCache(), None, tokenizer, adapter, vector)
+    assert none == {}  # vLLM
+
+
+def test_a_run_generates_the_base_continuations_once_and_the_figures_do_not_change(
+    tiny_model_dir: Path,
+) -> None:
+    """The run's cache: the second and later passes reuse the first pass's base continuations
+    (no base generate call), and every figure equals the uncached one's; another token count,
+    another prompt set or another base model generates afresh."""
+    base, tokenizer, adapter = svd_setup(tiny_model_dir)
+    base_calls: list[int] = []  # one entry per generate call of the base model
+
+    class Counting(PopulationModels):
+        def generate(self, prompts, gen, names, **kwargs):  # type: ignore[no-untyped-def]
+            base_calls.extend([gen.max_new_tokens] if "base" in names else [])
+            return super().generate(prompts, gen, names, **kwargs)
+
+    rng = np.random.default_rng(0)
+    vectors = [s * adapter.stds() * rng.standard_normal(adapter.dim) for s in (0.3, 0.6, 0.9)]
+    cache = ContinuationCache()
+    for vector in vectors:  # three held-out passes, each with the mean it scored
+        models = Counting(base, tokenizer, adapter, vector, 2)
+        cached = offtask_kl(models, PROMPTS, 6, 2, cache)
+        assert base_calls == [6]  # the first pass generated; the later ones read
+        fresh = offtask_kl(PopulationModels(base, tokenizer, adapter, vector, 2), PROMPTS, 6, 2)
+        assert cached == fresh  # identical figures, per-prompt lists included
+    models = Counting(base, tokenizer, adapter, vectors[0], 2)
+    offtask_kl(models, PROMPTS, 5, 2, cache)  # another token count
+    offtask_kl(models, PROMPTS[:3], 6, 2, cache)  # other prompts
+    other_base, _, _ = svd_setup(tiny_model_dir)
+    offtask_kl(Counting(other_base, tokenizer, adapter, vectors[0], 2), PROMPTS, 6, 2, cache)
+    assert base_calls == [6, 5, 6, 6]
+    # Through the report: passes and the final report share the run's cache.
+    s = settings(micro_batch_size=2, retention="none", samples=0)
+    base_calls.clear()
+    run_cache = ContinuationCache()
+    for vector in vectors:
+        figures = adapter_pass_figures(s, run_cache, base, tokenizer, adapter, vector)
+        uncached = adapter_pass_figures(s, ContinuationCache(), base, tokenizer, adapter, vector)
+        assert figures == uncached
+    models = Counting(base, tokenizer, adapter, vectors[-1], 2)
+    final = measure(s, models, tokenizer, [], None, None, run_cache)
+    assert final == measure(s, PopulationModels(base, tokenizer, adapter, vectors[-1], 2),
+                            tokenizer, [], None)  # fmt: skip
+    assert base_calls == []  # the final report read the passes' continuations
 
 
 def test_update_size_matches_a_hand_computation(tiny_model_dir: Path) -> None:

@@ -5,7 +5,7 @@ concern; callers import from the module that defines what they use:
 
 * :mod:`essa.drift.offtask`: off-task KL, mean per-token KL(base || tuned), KL(SFT || tuned)
   and KL(base || SFT), teacher-forced on the base model's own greedy continuations of fixed
-  off-task prompts;
+  off-task prompts, which a run generates once (``ContinuationCache``);
 * :mod:`essa.drift.update`: update size, ||dW||_F / ||W0||_F per adapted matrix, mean and max,
   for the SFT adapter, the tuned one and the search;
 * :mod:`essa.drift.retention`: greedy accuracy on a task the run does not train on (built-in or

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -90,17 +91,55 @@ def tail_mask(chunk: Sequence[Pair], tail: int) -> torch.Tensor:
     return mask
 
 
+def base_continuations(models: Models, prompts: Sequence[str], tokens: int) -> list[str]:
+    """The base model's greedy continuations of ``prompts``, ``tokens`` new tokens at most."""
+    gen = GenerationConfig(max_new_tokens=tokens, temperature=0.0)
+    return models.generate(prompts, gen, ["base"])["base"]
+
+
+ContinuationKey = tuple[int, tuple[str, ...], int, int]  # (id(model), prompts, tokens, batch)
+
+
+@dataclass
+class ContinuationCache:
+    """:func:`base_continuations`, generated once per run and reused by every later pass.
+
+    The base model does not train, so each held-out pass would write the same greedy text
+    again. An entry holds for the same base model object, prompts, token count and micro-batch
+    size (the batch shapes set the matmuls' rounding, which greedy decoding can see); any
+    other setting generates afresh. The entry keeps its model, so its ``id`` is not reused.
+    """
+
+    entries: dict[ContinuationKey, tuple[Any, list[str]]] = field(default_factory=dict)
+
+    def continuations(self, models: Models, prompts: Sequence[str], tokens: int) -> list[str]:
+        key = (id(models.model), tuple(prompts), tokens, models.micro_batch_size)
+        held = self.entries.get(key)
+        if held is not None and held[0] is models.model:
+            return list(held[1])
+        texts = base_continuations(models, prompts, tokens)
+        self.entries[key] = (models.model, list(texts))
+        return texts
+
+
 @torch.no_grad()
 def offtask_kl(
-    models: Models, prompts: Sequence[str], tokens: int, micro_batch_size: int
+    models: Models,
+    prompts: Sequence[str],
+    tokens: int,
+    micro_batch_size: int,
+    cache: ContinuationCache | None = None,
 ) -> dict[str, Any]:
     """Mean per-token KL between the models on the base model's greedy continuations of
-    ``prompts`` (``tokens`` new tokens at most): ``kl_base`` = KL(base || tuned), ``kl_sft`` =
-    KL(SFT || tuned), ``kl_base_sft`` = KL(base || SFT), where the models are known."""
+    ``prompts`` (``tokens`` new tokens at most; from ``cache`` when given): ``kl_base`` =
+    KL(base || tuned), ``kl_sft`` = KL(SFT || tuned), ``kl_base_sft`` = KL(base || SFT), where
+    the models are known."""
     from essa.backends.teacher import encode_pairs
 
-    gen = GenerationConfig(max_new_tokens=tokens, temperature=0.0)
-    continuations = models.generate(prompts, gen, ["base"])["base"]
+    if cache is None:
+        continuations = base_continuations(models, prompts, tokens)
+    else:
+        continuations = cache.continuations(models, prompts, tokens)
     pairs = encode_pairs(models.tokenizer, prompts, continuations)
     wanted = {
         "kl_base": ("base", "tuned"),

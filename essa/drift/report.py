@@ -16,7 +16,7 @@ import numpy as np
 
 from essa.config import DataConfig, DriftConfig, GenerationConfig, PythonToolConfig
 from essa.drift.models import Models, PopulationModels
-from essa.drift.offtask import offtask_kl, rendered_offtask_prompts
+from essa.drift.offtask import ContinuationCache, offtask_kl, rendered_offtask_prompts
 from essa.drift.retention import (
     retention,
     retention_length,
@@ -51,8 +51,10 @@ def measure(
     test: Sequence[Example],
     reward: Any,
     updates: Mapping[str, dict[str, Any]] | None = None,
+    cache: ContinuationCache | None = None,
 ) -> dict[str, Any]:
-    """The drift report of ``s.drift`` (``updates``: the update sizes, by adapter).
+    """The drift report of ``s.drift`` (``updates``: the update sizes, by adapter; ``cache``:
+    the run's base continuations, shared with its held-out passes).
 
     ``models`` None (no HF model, e.g. the vLLM backend): update sizes only.
     """
@@ -63,7 +65,7 @@ def measure(
         return report
     models = replace(models, tools=s.tools)  # retention and pass@K as the run rolls out
     with _eval_mode(models.model):
-        report.update(_model_parts(s, models, tokenizer, test, reward))
+        report.update(_model_parts(s, models, tokenizer, test, reward, cache))
     return report
 
 
@@ -73,6 +75,7 @@ def _model_parts(
     tokenizer: Any,
     test: Sequence[Example],
     reward: Any,
+    cache: ContinuationCache | None,
 ) -> dict[str, Any]:
     from essa.data.task import render_prompts
 
@@ -80,7 +83,7 @@ def _model_parts(
         return render_prompts(examples, s.data.template, tokenizer, s.data.system_prompt)
 
     d = s.drift
-    report: dict[str, Any] = _kl_part(s, models, tokenizer)
+    report: dict[str, Any] = _kl_part(s, models, tokenizer, cache)
     source = retention_source(d, s.data)
     if source is not None:
         examples, grader = retention_task(source, d.items)
@@ -93,31 +96,35 @@ def _model_parts(
     return report
 
 
-def _kl_part(s: DriftSettings, models: Models, tokenizer: Any) -> dict[str, Any]:
+def _kl_part(
+    s: DriftSettings, models: Models, tokenizer: Any, cache: ContinuationCache | None
+) -> dict[str, Any]:
     """Off-task KL (:func:`offtask_kl`) on ``s.drift.prompts`` prompts in the run's template;
     {} when there is no base model to compare with or no prompt."""
     d = s.drift
     if not d.prompts or "base" not in models.names:
         return {}
     prompts = rendered_offtask_prompts(s.data, d.prompts, tokenizer)
-    return offtask_kl(models, prompts, d.tokens, s.micro_batch_size)
+    return offtask_kl(models, prompts, d.tokens, s.micro_batch_size, cache)
 
 
 def pass_figures(
     s: DriftSettings,
     models: Models | None,
     updates: Mapping[str, dict[str, Any]] | None = None,
+    cache: ContinuationCache | None = None,
 ) -> dict[str, float]:
     """The drift figures of an intermediate held-out pass, as flat metrics fields: off-task KL
     (``drift_kl_base``, ``drift_kl_sft``) and the mean relative update of the adapter
     (``drift_update``); {} with ``drift.every_pass`` off. Retention and pass@K, which generate
-    far more, are the final report's (:func:`measure`)."""
+    far more, are the final report's (:func:`measure`). ``cache``: the run's base
+    continuations, generated at its first pass."""
     if not s.drift.every_pass:
         return {}
     out: dict[str, float] = {}
     if models is not None:
         with _eval_mode(models.model):
-            kl = _kl_part(s, models, models.tokenizer)
+            kl = _kl_part(s, models, models.tokenizer, cache)
         out.update({f"drift_{k}": kl[k] for k in ("kl_base", "kl_sft") if k in kl})
     final = (updates or {}).get("final")
     if final:
@@ -157,6 +164,7 @@ def summary_line(report: Mapping[str, Any]) -> str | None:
 
 def adapter_report(
     s: DriftSettings,
+    cache: ContinuationCache,
     h: Harness,
     model: Any,
     tokenizer: Any,
@@ -171,7 +179,7 @@ def adapter_report(
     updates = adapter_updates(model, adapter, vector)
     models = PopulationModels(model, tokenizer, adapter, np.asarray(vector), s.micro_batch_size)
     with h.phase("drift"):
-        report = measure(s, models, tokenizer, test, h.metric, updates)
+        report = measure(s, models, tokenizer, test, h.metric, updates, cache)
     line = summary_line(report)
     if line is not None:
         h.say(line)
@@ -180,6 +188,7 @@ def adapter_report(
 
 def adapter_pass_figures(
     s: DriftSettings,
+    cache: ContinuationCache,
     model: Any,
     tokenizer: Any,
     adapter: SVDAdapter,
@@ -191,4 +200,4 @@ def adapter_pass_figures(
     models = PopulationModels(model, tokenizer, adapter, np.asarray(vector), s.micro_batch_size)
     w0 = base_weights(model, adapter.module_names)  # a pass reads the final update size only
     updates = None if w0 is None else {"final": update_size(adapter.delta_weights(vector), w0)}
-    return pass_figures(s, models, updates)
+    return pass_figures(s, models, updates, cache)

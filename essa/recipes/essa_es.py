@@ -136,6 +136,7 @@ def _checks(
     under vLLM) and the run's passes over its held-out splits."""
     from essa import setup
     from essa.backends import population_evaluator
+    from essa.drift.offtask import ContinuationCache
     from essa.drift.report import adapter_pass_figures, adapter_report
     from essa.rewards.logprob import COMPLETION_LOGPROBS
 
@@ -144,9 +145,11 @@ def _checks(
     evaluator.record_logprobs = COMPLETION_LOGPROBS in reward.needs  # type: ignore[attr-defined]
     evaluator.reference_margin = cfg.reward.reference_signal == "margin"  # type: ignore[attr-defined]
     val = val_prompts(task, cfg.data, tokenizer)
-    drift = setup.drift_settings(cfg)
-    pass_drift = functools.partial(adapter_pass_figures, drift, model, tokenizer, adapter)
-    report = functools.partial(adapter_report, drift, h, model, tokenizer, adapter, task.test)
+    drift, cache = setup.drift_settings(cfg), ContinuationCache()  # one cache per run
+    pass_drift = functools.partial(adapter_pass_figures, drift, cache, model, tokenizer, adapter)
+    report = functools.partial(
+        adapter_report, drift, cache, h, model, tokenizer, adapter, task.test
+    )
     return Checks(h, evaluator, task, test_prompts, val, budget, pass_drift, report)
 
 
