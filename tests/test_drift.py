@@ -4,6 +4,7 @@ the off-task set, the run's cache of base continuations and the sampled metrics.
 from __future__ import annotations
 
 import contextlib
+import doctest
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,13 @@ from essa.setup import drift_settings
 from tests.conftest import svd_setup
 
 PROMPTS = ["12+3=", "7*8=", "45-6=", "9 9 9", "1="]
+
+
+def test_doctests() -> None:
+    from essa.drift import offtask, retention, update
+
+    for module in (offtask, retention, update):
+        assert doctest.testmod(module).failed == 0
 
 
 def lora_model(model_dir: Path) -> tuple[Any, Any]:
