@@ -251,8 +251,8 @@ def test_recipes_are_imported_only_by_the_registry() -> None:
 RUN_LINES = 60
 RECIPE_LINES = 300
 # Recipes that were longer when these limits came in: their ceilings only come down.
-RUN_CEILINGS = {"grpo": 77, "dpo": 74}
-RECIPE_CEILINGS = {"grpo": 413}
+RUN_CEILINGS: dict[str, int] = {}
+RECIPE_CEILINGS = {"grpo": 313}
 
 
 def recipe_sizes(path: Path) -> tuple[int, int | None]:
