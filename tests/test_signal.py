@@ -175,16 +175,42 @@ def test_preflight_keeps_the_start_at_the_floor_and_the_ceiling(
 ) -> None:
     w = _watch()
     w.observe("SFT adapter", -1, np.zeros(1), [score] * 64)
-    line = w.preflight(score, dense)
+    line = w.preflight([score] * 64, dense)
     assert (line is not None) == stops and w.stopped == stops
-    if stops:
+    if stops and score < FLOOR:
         assert f"{score:.3f} on 64 validation items" in line and "what would help" in line
+    if stops and score > CEILING:
+        assert line.startswith("start at the ceiling: 64 of 64 validation prompts right (1.00")
+        assert "keeping the start" in line and "a harder task" in line
+
+
+@pytest.mark.parametrize(
+    ("right", "of", "ceiling"), [(31, 32, True), (30, 32, False), (9, 10, False), (97, 100, True)]
+)
+def test_the_start_at_the_ceiling_counts_the_items_it_gets_right(
+    right: int, of: int, ceiling: bool
+) -> None:
+    """(Nearly) every item right: the share right reads 0.97 or more to two places."""
+    w = _watch(on_no_signal="search")
+    scores = [1.0] * right + [0.0] * (of - right)
+    w.observe("SFT adapter", -1, np.zeros(1), scores)
+    line = w.preflight(scores, False)
+    assert (line is not None) == ceiling and not w.stopped  # search: the line only
+    if ceiling:
+        assert line == (
+            f"start at the ceiling: {right} of {of} validation prompts right ({right / of:.2f}; "
+            f"mean score {right / of:.3f}); the search can only drift; searching anyway "
+            "(run.on_no_signal: search)"
+        )
+        assert w.summary()["start_ceiling"] == {"right": right, "items": of, "score": right / of}
+    else:
+        assert w.summary()["start_ceiling"] is None
 
 
 def test_preflight_searches_anyway_when_asked() -> None:
     w = _watch(on_no_signal="search")
     w.observe("SFT adapter", -1, np.zeros(1), [0.0] * 8)
-    line = w.preflight(0.0, False)
+    line = w.preflight([0.0] * 8, False)
     assert line is not None and "searching anyway" in line and not w.stopped
 
 
@@ -233,3 +259,32 @@ def test_train_at_the_floor_keeps_the_start_and_says_why(tmp_path: Path) -> None
     assert summary["stop_reason"].startswith("no signal:")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["generation"] for r in records] == [-1]  # no generation ran
+
+
+@pytest.mark.slow
+def test_train_at_the_ceiling_says_so_before_the_search(tmp_path: Path) -> None:
+    """Sums of 11-13, which the demo model gets all right: the run says so in one line before
+    the search, with the count, and the summary keeps it; run.on_no_signal search searches."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "easy.jsonl"
+    with data.open("w") as f:
+        for _ in range(400):
+            a, b = (int(x) for x in rng.integers(11, 14, 2))
+            f.write(json.dumps({"question": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+    run_dir = tmp_path / "run"
+    sets = [
+        "sft.steps=2", "data.sft_size=32", "data.test_size=40", "data.val_size=40",
+        "data.batch_size=8", "optimizer.population_size=4", "run.generations=1",
+        "run.show_progress=false", f"data.source={data}", "reward.name=math_accuracy",
+        "run.on_no_signal=search",
+    ]  # fmt: skip
+    res = essa("train", "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("start at the ceiling")]
+    assert lines == [
+        "start at the ceiling: 40 of 40 validation prompts right (1.00; mean score 1.000); the "
+        "search can only drift; searching anyway (run.on_no_signal: search)"
+    ], res.stdout[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["start_ceiling"] == {"right": 40, "items": 40, "score": 1.0}
+    assert summary["generations"] == 1 and summary["stop_reason"] is None

@@ -191,10 +191,12 @@ def watch_start(
         return watch.state
     watch.observe("SFT adapter", -1, zeros, scores)
     start = watch.state["points"][0]["score"]
+    start_scores = scores
     scale = searched_start(state) if optimizer.start == "scale_baseline" else None
     if scale is not None and scale["factor"] != 1.0:
         x0, name = scale_vector(adapter, scale["factor"]), f"SFT adapter x{scale['factor']:g}"
-        fields = watch.observe(name, -1, x0, validate(x0, name))
+        scaled = validate(x0, name)
+        fields = watch.observe(name, -1, x0, scaled)
         scale["validated"] = watch.validated()
         verdict = "there" if scale["validated"] else "at the SFT adapter"
         h.say(
@@ -202,8 +204,8 @@ def watch_start(
             f"adapter's {start:.3f} ({fields['val_gain']:+.3f}, SE {fields['val_se']:.3f}); "
             f"the search starts {verdict}"
         )
-        start = fields["val_accuracy"] if scale["validated"] else start
-    line = watch.preflight(start, dense_informative(reward, state))
+        start_scores = scaled if scale["validated"] else scores
+    line = watch.preflight(start_scores, dense_informative(reward, state))
     if line is not None:
         h.say(line)
     watch.start_search()

@@ -10,9 +10,10 @@ SFT adapter, the search's start and the distribution mean at every check. From t
   search, and so does a check without one whose generations had no signal (the median
   split-half reliability of the last ``run.signal_window`` generations below
   ``run.min_signal``, essa.es.signal).
-* **the pre-flight**: a start at the floor or the ceiling of the validation score (below
-  :data:`FLOOR` or above :data:`CEILING`), where a dense tie-breaker does not carry the
-  signal, is not searched (``run.on_no_signal: keep_start``); the run says so in one line.
+* **the pre-flight**: a start at the floor of the validation score (below :data:`FLOOR`),
+  where a dense tie-breaker does not carry the signal, or at its ceiling (:class:`StartCeiling`:
+  nearly every item right) is not searched (``run.on_no_signal: keep_start``); the run says so
+  in one line, and the summary keeps the ceiling's count.
 
 numpy only; every rank holds the same scores (all-gathered), so every rank decides the same,
 and the state is in the checkpoint, so a resumed run decides the same too. The scores come in
@@ -22,6 +23,7 @@ docs/signal.md.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
@@ -61,6 +63,49 @@ class WatchSettings:
     @classmethod
     def of(cls, run: RunConfig) -> WatchSettings:
         return cls(run.patience, run.min_signal, run.signal_window, run.on_no_signal)
+
+
+@dataclass(frozen=True)
+class StartCeiling:
+    """A start that already gets (nearly) every validation item right: its share of items with
+    full credit reads :data:`CEILING` or more to two places (31 of 32), or its mean score is
+    above it. The reward then ranks candidates on the few items left, and the search can only
+    drift (a 1.000 start that searched ended 0.988-1.000 on products, docs/tools.md)."""
+
+    right: int  # validation items the start scores 1 on
+    items: int
+    score: float  # its mean validation score, partial credit included
+
+    @classmethod
+    def of(cls, scores: Sequence[float]) -> StartCeiling | None:
+        """The start's ceiling from its per-item scores; None below it (or no items).
+
+        >>> StartCeiling.of([1.0] * 31 + [0.0])
+        StartCeiling(right=31, items=32, score=0.96875)
+        >>> StartCeiling.of([1.0] * 30 + [0.0] * 2) is None
+        True
+        """
+        if not len(scores):
+            return None
+        right, score = sum(float(s) >= 1.0 for s in scores), float(np.mean(scores))
+        if round(right / len(scores), 2) < CEILING and score <= CEILING:
+            return None
+        return cls(int(right), len(scores), score)
+
+    def line(self, keep: bool) -> str:
+        """The pre-flight's line, with what the run does (``keep``: run.on_no_signal
+        keep_start)."""
+        head = (
+            f"start at the ceiling: {self.right} of {self.items} validation prompts right "
+            f"({self.right / self.items:.2f}; mean score {self.score:.3f}); the search can only "
+            "drift"
+        )
+        if keep:
+            return (
+                f"{head}: keeping the start (run.on_no_signal: keep_start); what would help: a "
+                "harder task"
+            )
+        return f"{head}; searching anyway (run.on_no_signal: search)"
 
 
 class Watch:
@@ -152,31 +197,32 @@ class Watch:
         return s["stop"]
 
     # ------------------------------------------------------------------ the pre-flight
-    def preflight(self, start: float, dense_informative: bool) -> str | None:
+    def preflight(self, scores: Sequence[float], dense_informative: bool) -> str | None:
         """Before the search: the one line saying why it would search blind, or None.
-        ``start``: the search's start's validation score."""
-        if FLOOR <= start <= CEILING:
-            return None
-        if start < FLOOR and dense_informative:
-            return None  # the tie-breaker ranks where the reward cannot
-        where = "the floor" if start < FLOOR else "the ceiling"
-        helps = (
-            "a longer SFT (sft.steps), an easier curriculum (data.params) or sampled "
-            "completions (generation.temperature, generation.samples_per_prompt)"
-            if start < FLOOR
-            else "a harder task: nothing is left to learn"
-        )
-        n = len(self.state["reference"] or ())
+        ``scores``: the search's start's per-item validation scores."""
+        ceiling = StartCeiling.of(scores)
         keep = self.settings.on_no_signal == "keep_start"
-        action = "keeping the start (run.on_no_signal: keep_start)" if keep else "searching anyway"
-        line = (
-            f"no signal: the start scores {start:.3f} on {n} validation items, at {where} "
-            f"(< {FLOOR:g} or > {CEILING:g}), and no tie-breaker carries the ranking; "
-            f"{action}; what would help: {helps}"
-        )
-        if keep:
+        if ceiling is not None:
+            self.state["start_ceiling"] = dataclasses.asdict(ceiling)
+            line = ceiling.line(keep)
+        else:
+            line = self._floor_line(float(np.mean(scores)), dense_informative, keep)
+        if keep and line is not None:
             self.state["stop"] = line
         return line
+
+    def _floor_line(self, start: float, dense_informative: bool, keep: bool) -> str | None:
+        """The floor's line: a start scoring below FLOOR with no tie-breaker to rank by."""
+        if start >= FLOOR or dense_informative:
+            return None
+        n = len(self.state["reference"] or ())
+        action = "keeping the start (run.on_no_signal: keep_start)" if keep else "searching anyway"
+        return (
+            f"no signal: the start scores {start:.3f} on {n} validation items, at the floor "
+            f"(< {FLOOR:g}), and no tie-breaker carries the ranking; {action}; what would "
+            "help: a longer SFT (sft.steps), an easier curriculum (data.params) or sampled "
+            "completions (generation.temperature, generation.samples_per_prompt)"
+        )
 
     @property
     def validating(self) -> bool:
@@ -191,6 +237,7 @@ class Watch:
             "stop_reason": self.state["stop"],
             "signal_median": statistics.median(signals) if signals else None,
             "val_size": len(self.state["reference"] or ()),
+            "start_ceiling": self.state.get("start_ceiling"),
         }
 
     def unchecked(self, generations: int) -> bool:
