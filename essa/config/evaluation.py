@@ -22,7 +22,9 @@ class DriftConfig:
     # Retention: greedy accuracy on a task the run does not train on, a built-in one
     # (builtin:NAME) or a reasoning-gym one at its default parameters (reasoning_gym:TASK);
     # auto: builtin:arithmetic_mixed, or builtin:arithmetic when that is the training task.
-    retention: str = "auto"
+    # A list of tasks: the first that is not the training task (a real model's config names
+    # tasks its base model can already do, in order: configs/smollm2.yaml).
+    retention: str | tuple[str, ...] = "auto"
     items: int = 64  # held-out items for retention and for pass@K; 0: neither
     # Retention generates up to max(this, generation.max_new_tokens): a model that words its
     # answer (the base model in a chat template) must not be cut before it gets to it.
@@ -89,13 +91,19 @@ def _check_drift(d: DriftConfig) -> None:
             raise ConfigError(f"evaluation.drift.{key}: must be >= 1, got {value}")
     if not d.temperature > 0:
         raise ConfigError(f"evaluation.drift.temperature: must be > 0, got {d.temperature}")
-    if d.retention.startswith(GYM_PREFIX):
-        _check_gym_task(d.retention.removeprefix(GYM_PREFIX))
-    elif d.retention not in ("auto", "none", *BUILTIN_SOURCES):
-        raise ConfigError(
-            f"evaluation.drift.retention: {d.retention!r} is not auto, none, "
-            f"{GYM_PREFIX}TASK or one of {', '.join(BUILTIN_SOURCES)}"
-        )
+    if d.retention in ("auto", "none"):
+        return
+    tasks = (d.retention,) if isinstance(d.retention, str) else d.retention
+    if not tasks:
+        raise ConfigError("evaluation.drift.retention: an empty list; none turns retention off")
+    for task in tasks:
+        if task.startswith(GYM_PREFIX):
+            _check_gym_task(task.removeprefix(GYM_PREFIX))
+        elif task not in BUILTIN_SOURCES:
+            raise ConfigError(
+                f"evaluation.drift.retention: {task!r} is not auto, none, "
+                f"{GYM_PREFIX}TASK or one of {', '.join(BUILTIN_SOURCES)}"
+            )
 
 
 def _check_gym_task(task: str) -> None:

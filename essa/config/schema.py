@@ -115,9 +115,10 @@ def _check_algorithm(name: str) -> None:
 def _check_retention_task(cfg: Config) -> None:
     """Retention measures what a run may forget: a task it trains on cannot show that."""
     retention = cfg.evaluation.drift.retention
-    if retention == cfg.data.source:
+    tasks = (retention,) if isinstance(retention, str) else retention
+    if tasks and all(task == cfg.data.source for task in tasks):  # a list: the first other one
         raise ConfigError(
-            f"evaluation.drift.retention: {retention} is the training task (data.source); "
+            f"evaluation.drift.retention: {cfg.data.source} is the training task (data.source); "
             "retention is measured on a task the run does not train on"
         )
 

@@ -19,16 +19,23 @@ from essa.types import Example
 
 
 def retention_source(d: DriftConfig, data: DataConfig) -> str | None:
-    """The task retention is measured on (None: off): ``builtin:NAME`` or ``reasoning_gym:TASK``.
+    """The task retention is measured on (None: off): ``builtin:NAME`` or ``reasoning_gym:TASK``;
+    of a list, the first task that is not the training task (the config refuses a list of only
+    that one).
 
     >>> retention_source(DriftConfig(), DataConfig(source="builtin:arithmetic"))
     'builtin:arithmetic_mixed'
+    >>> listed = DriftConfig(retention=("builtin:arithmetic", "builtin:arithmetic3"))
+    >>> retention_source(listed, DataConfig(source="builtin:arithmetic"))
+    'builtin:arithmetic3'
     """
     if d.retention == "none" or d.items == 0:
         return None
     if d.retention == "auto":
         mixed = "builtin:arithmetic_mixed"
         return "builtin:arithmetic" if data.source == mixed else mixed
+    if isinstance(d.retention, tuple):
+        return next(task for task in d.retention if task != data.source)
     return d.retention
 
 
