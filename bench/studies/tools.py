@@ -1,7 +1,7 @@
 """Tool-integrated reasoning on a real model: text-only ESSA, tool-integrated ESSA and GRPO.
 
-    python -m bench.studies.tools [--seeds 0 1 2] [--tasks products count_bits] [--budget 1140]
-                          [--no-grpo] [--set k=v] [--reuse]
+    python -m bench.studies.tools [--seeds 0 1 2] [--tasks products count_bits ...]
+                          [--budget 1140] [--no-grpo] [--set k=v] [--reuse]
 
 Per reasoning-gym task (where exact computation helps a 135M model) and seed, from
 ``configs/smollm2.yaml`` with only the task swapped in, each command in a fresh process:
@@ -57,6 +57,11 @@ from bench.studies.common import (
 TASKS: dict[str, dict[str, Any]] = {
     "products": {"min_digits": 2, "max_digits": 2},  # two 2-digit factors
     "count_bits": {"min_n": 1, "max_n": 1_000_000},  # 1 bits of a number up to 10^6
+    # Word problems: the quantities are in the text, the code must be written from it. The
+    # legs of 3-10 kinds of animal (the model must know each kind's legs), and dates written
+    # out (weekdays, offsets, counts of a weekday between two dates, leap years).
+    "leg_counting": {},
+    "calendar_arithmetic": {},
 }
 TOOLS = ["tools.python.max_tool_calls=1", "data.template=python_tool"]
 ARMS = ("text ESSA", "tool ESSA", "tool GRPO")
