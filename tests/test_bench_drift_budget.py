@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from bench.studies.drift_budget import summarise, table
@@ -27,3 +30,27 @@ def test_arms_pool_their_seeds_and_keep_their_order() -> None:
     lines = table(summary).splitlines()
     assert lines[2].startswith("| off | 2 | 0.500 | 0.580 | +0.080 (0.007) | 0.0700 | 0.0350 |")
     assert lines[3].endswith("| - |")  # no retention measured
+
+
+def test_passes_table_keeps_the_checks_every_arm_reached(tmp_path: Path) -> None:
+    from bench.studies.drift_budget import pass_records, passes_table
+
+    def check(generation: int, gain: float) -> dict:
+        return {"generation": generation, "val_accuracy": 0.5 + gain, "val_gain": gain,
+                "val_se": 0.02, "drift_kl_base": 0.1, "drift_kl_sft": 0.05, "drift_update": 0.01}  # fmt: skip
+
+    for name, checks in (("off", [9, 19, 29]), ("decay_01", [9, 19])):
+        run = tmp_path / f"{name}-seed0"
+        run.mkdir()
+        lines = [{"generation": -1, "heldout_accuracy": 0.5}, {"generation": 0, "sigma": 1.0}]
+        lines += [check(g, g / 100) for g in checks]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    arms = {
+        a: pass_records(tmp_path / f"{n}-seed0")
+        for a, n in (("off", "off"), ("decay 0.1", "decay_01"))
+    }
+    rows = passes_table(arms).splitlines()[2:]
+    assert [r.split(" | ")[:2] for r in rows] == [
+        ["| 10", "off"], ["| 10", "decay 0.1"], ["| 20", "off"], ["| 20", "decay 0.1"]
+    ]  # fmt: skip
+    assert rows[2] == "| 20 | off | 0.690 | +0.190 (0.020) | 0.1000 | 0.0500 | 0.0100 |"

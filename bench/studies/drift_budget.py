@@ -21,6 +21,10 @@ adapter's own).
 
 Writes bench/results/drift_budget.json, drift_budget.md (the table in docs/drift.md) and
 drift_budget.png (gain against KL(base || tuned), one marker per run).
+
+``--passes`` runs nothing: it reads the arms' runs under ``--root`` (finished or not) and writes
+``OUT_passes.md``, their figures at the held-out checks every arm has reached (validation
+accuracy and its gain over the SFT adapter, the pass's off-task KL and update size).
 """
 
 from __future__ import annotations
@@ -48,11 +52,16 @@ BUDGET_ARM = "KL budget 1.25x SFT"
 DEFAULT_ARMS = ["off", "anchor 1", "KL penalty 10", BUDGET_ARM]
 
 
+def run_name(arm: str) -> str:
+    """The arm's run directory prefix under ``--root``."""
+    return arm.replace(" ", "_").replace(".", "")
+
+
 def one_run(args: argparse.Namespace, arm: str, seed: int, extra: list[str]) -> dict[str, Any]:
     """One ``essa train`` of ``arm``; what the table reads of it."""
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
-    name = arm.replace(" ", "_").replace(".", "")
+    name = run_name(arm)
     run_dir = root / f"{name}-seed{seed}"
     config = [args.config] if args.config else []
     cli = ["train", *config, "--overwrite", "--run-dir", str(run_dir),
@@ -153,6 +162,37 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     compact_png(path)
 
 
+PASS_FIELDS = ("val_accuracy", "val_gain", "val_se", "drift_kl_base", "drift_kl_sft",
+               "drift_update")  # fmt: skip
+
+
+def pass_records(run_dir: Path) -> dict[int, dict[str, float]]:
+    """A run's held-out checks so far, by generation: the metrics.jsonl fields of each."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    records = (json.loads(line) for line in lines)
+    return {r["generation"]: {k: r[k] for k in PASS_FIELDS} for r in records if "val_gain" in r}
+
+
+def passes_table(arms: dict[str, dict[int, dict[str, float]]]) -> str:
+    """Per held-out check that every arm reached, one row per arm."""
+    common = sorted(set.intersection(*(set(p) for p in arms.values()))) if arms else []
+    lines = [
+        "| generations | arm | validation | gain (SE) | KL(base‖tuned) | KL(SFT‖tuned) | "
+        "‖ΔW‖/‖W0‖ |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for g in common:
+        for arm, by_generation in arms.items():
+            r = by_generation[g]
+            lines.append(
+                f"| {g + 1} | {arm} | {r['val_accuracy']:.3f} | {r['val_gain']:+.3f} "
+                f"({r['val_se']:.3f}) | {r['drift_kl_base']:.4f} | {r['drift_kl_sft']:.4f} | "
+                f"{r['drift_update']:.4f} |"
+            )
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=None, help="a config file (default: the demo)")
@@ -163,11 +203,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reuse", action="store_true", help="keep finished runs under --root")
     parser.add_argument("--root", default="runs/bench-drift-budget")
     parser.add_argument("--out", default="drift_budget")
+    parser.add_argument("--passes", action="store_true", help="tabulate the runs' checks only")
     return parser.parse_args(argv)
 
 
 def main() -> None:
     args = parse_args()
+    if args.passes:
+        seed = args.seeds[0]
+        root = Path(args.root)
+        arms = {arm: pass_records(root / f"{run_name(arm)}-seed{seed}") for arm in args.arms}
+        text = passes_table(arms)
+        (RESULTS / f"{args.out}_passes.md").write_text(text + "\n")
+        print(text)
+        return
     runs = [r for seed in args.seeds for r in run_seed(args, seed)]
     summary = summarise(runs)
     command = ("python -m bench.studies.drift_budget " + " ".join(sys.argv[1:])).strip()
