@@ -92,6 +92,7 @@ STUDIES: list[tuple[str, list[str]]] = [
     ("tools", ["--seeds", "0", "1", "2"]),  # text-only vs tool-integrated ESSA, and GRPO
     ("drift_budget", ["--seeds", "0", "1", "2"]),  # the search's drift budget on and off
     ("tie_breaker", []),  # the reference tie-breaker along the scaled line, per task
+    ("retention_tasks", []),  # the base model's score on candidate retention tasks (~10 min)
     ("mutation", ["--per-module", "5", "--seed", "0"]),  # do the tests catch injected bugs
 ]
 # Modules that serve the drivers rather than measure: run by them, or by hand before them.
