@@ -209,16 +209,13 @@ def calendar_question(question: str) -> tuple[str, str] | None:
         year = int(leap.group(1))
         code = f'import calendar\nprint("Yes" if calendar.isleap({year}) else "No")'
         return code, "Yes" if calendar.isleap(year) else "No"
-    dates, weekdays = _dates(question), _WEEKDAY.findall(question)
-    code = _calendar_code(question, dates, weekdays)
+    code = _calendar_code(question, _dates(question))
     if code is None:
         return None
     return code, _run_print(code)
 
 
-def _calendar_code(
-    question: str, dates: list[tuple[int, int, int]], weekdays: list[str]
-) -> str | None:
+def _calendar_code(question: str, dates: list[tuple[int, int, int]]) -> str | None:
     """The code of one calendar question kind, or None."""
     date = "datetime.date({}, {}, {})".format
     ordinal = re.search(rf"\b({'|'.join(_ORDINALS)}) {_WEEKDAY.pattern}", question)
@@ -269,7 +266,7 @@ def _run_print(code: str) -> str:
     """What ``code`` (the calendar solver's own, standard library only) prints."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(code, {})  # noqa: S102 (the solver's own code, never the model's)
+        exec(code, {})  # the solver's own code, never the model's
     return out.getvalue().strip()
 
 
