@@ -143,7 +143,13 @@ def _eval_mode(model: Any) -> Iterator[None]:
 
 
 def summary_line(report: Mapping[str, Any]) -> str | None:
-    """One console line of the report's headline figures (None when it has none)."""
+    """One console line of the report's headline figures (None when it has none).
+
+    >>> kept = {"source": "builtin:arithmetic", "items": 64, "tuned": 0.5,
+    ...         "change_from_base": 0.25, "change_from_sft": -0.125}
+    >>> summary_line({"retention": kept})
+    'drift: retention (builtin:arithmetic, 64 items) 0.500, vs base +0.250, vs SFT -0.125'
+    """
     parts = []
     if "kl_base" in report:
         parts.append(f"off-task KL(base||tuned) {report['kl_base']:.4f}")
@@ -154,7 +160,13 @@ def summary_line(report: Mapping[str, Any]) -> str | None:
         parts.append(f"||dW||/||W0|| mean {final['mean']:.4f} max {final['max']:.4f}")
     kept = report.get("retention")
     if kept:
-        parts.append(f"retention ({kept['source']}) {kept['tuned']:.3f}")
+        changes = "".join(
+            f", vs {name} {kept[f'change_from_{key}']:+.3f}"
+            for key, name in (("base", "base"), ("sft", "SFT"))
+            if f"change_from_{key}" in kept
+        )
+        shown = f"retention ({kept['source']}, {kept['items']} items) {kept['tuned']:.3f}"
+        parts.append(shown + changes)
     samples = report.get("samples")
     if samples:
         k = samples["k"]
