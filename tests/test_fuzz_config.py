@@ -294,6 +294,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "optimizer.drift_budget.prompts": AT_LEAST_1,
     "optimizer.drift_budget.tokens": AT_LEAST_1,
     "optimizer.drift_budget.anchor": NONNEG,
+    "optimizer.drift_budget.decay": (0, 1, True, False),  # [0, 1): 1 would pin the mean to x0
 }  # fmt: skip
 # The ES optimizers' own keys, written flat in the optimizer section: optimizer name -> its options.
 OPTION_OWNERS = {name: spec.options for name, spec in OPTIMIZERS.items()}
