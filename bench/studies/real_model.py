@@ -371,13 +371,16 @@ def seeds_table(result: dict[str, Any]) -> str:
 
 def lengths_cell(runs: list[dict[str, Any]]) -> str:
     """The task's mean prompt and reference-answer lengths in the model's tokens, as the plan
-    measured them on the first seed's data; "-" for runs made before the plan existed.
+    measured them on the first seed's data; "-" for runs made before the plan existed or with
+    the plan off (``run.plan: false`` records ``"plan": null``).
 
     >>> lengths_cell([{"summary": {"plan": {"lengths": {"prompt_mean": 62.7, "reference_mean": 9.2}}}}])
     '63 / 9.2'
+    >>> lengths_cell([{"summary": {"plan": None}}])
+    '-'
     """
     for run in runs:
-        lengths = run["summary"].get("plan", {}).get("lengths")
+        lengths = (run["summary"].get("plan") or {}).get("lengths")
         if lengths:
             return f"{lengths['prompt_mean']:.0f} / {lengths['reference_mean']:.1f}"
     return "-"
@@ -395,7 +398,7 @@ def plan_cells(runs: list[dict[str, Any]]) -> tuple[str, str]:
     >>> plan_cells([run, run])
     ('22 (25), 22 (25)', '790 / 800 (79% / 61%)')
     """
-    planned = [r["summary"] for r in runs if "plan" in r["summary"]]
+    planned = [r["summary"] for r in runs if r["summary"].get("plan")]
     if not planned:
         return "-", "-"
     made = ", ".join(f"{s['generations']} ({s['plan']['generations']})" for s in planned)
