@@ -19,7 +19,7 @@ final drift report's KL(base || tuned), KL(SFT || tuned), the search's update si
 the scale of each term (fitness differences of a few prompts in 32, KL of the order of the SFT
 adapter's own).
 
-Writes bench/results/drift_budget.json, drift_budget.md (the table in docs/drift.md) and
+Writes bench/results/drift_budget.json, drift_budget.md (the table in docs/drift-control.md) and
 drift_budget.png (gain against KL(base || tuned), one marker per run).
 
 ``--passes`` runs nothing: it reads the arms' runs under ``--root`` (finished or not) and writes

@@ -20,7 +20,7 @@ a fresh process, from ``configs/smollm2.yaml`` with only the task swapped in:
 
 Writes bench/results/real_model.json, real_model.md (the table in docs/results.md; ``--out NAME``
 writes NAME.json/.md instead), OUT_short.md (its headline columns, in the README), OUT_drift.md
-(ESSA and GRPO drift reports per GRPO seed, in docs/drift.md) and one OUT_<task>.png per task
+(ESSA and GRPO drift reports per GRPO seed, in docs/drift-control.md) and one OUT_<task>.png per task
 (the first GRPO seed's). Sizes
 come from the config: held-out items per task (``--set data.test_size=N``), generations and the
 20-minute budget (``run.max_wall_seconds``).

@@ -98,7 +98,7 @@ ARMS: dict[str, list[str]] = {
     # base weights in bfloat16 (the adapter's low-rank path stays float32): about 2x the fp32
     # matmul rate on a CPU with bfloat16 instructions (AVX512-BF16, AMX), far slower without
     "bf16": ["model.dtype=bfloat16"],
-    # the search's drift budget (docs/drift.md): weight decay toward the SFT point, and a
+    # the search's drift budget (docs/drift-control.md): weight decay toward the SFT point, and a
     # penalty on the anchor set's off-task KL; compared on off-task KL too (below)
     "drift_anchor": ["optimizer.drift_budget.anchor=1"],
     "drift_kl_penalty": ["optimizer.drift_budget.kl_penalty=10"],

@@ -64,7 +64,7 @@ class LayerwiseConfig:
 
 @dataclass(frozen=True)
 class DriftBudgetConfig:
-    """What the search may change off-task (docs/drift.md, "A drift budget in the search")."""
+    """What the search may change off-task (docs/drift-control.md)."""
 
     # fitness -= kl_penalty * KL(base || candidate), mean per token on the anchor set
     kl_penalty: float = 0.0

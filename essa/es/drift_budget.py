@@ -1,6 +1,6 @@
 """A drift budget the search honours: off-task KL and an anchor to the SFT point in the fitness.
 
-``optimizer.drift_budget`` (docs/drift.md, "A drift budget in the search"). ES needs no gradient
+``optimizer.drift_budget`` (docs/drift-control.md). ES needs no gradient
 of what it ranks, so drift can be priced or forbidden directly:
 
 * **KL penalty**: ``f_c -= kl_penalty * KL_c``, where ``KL_c`` is the mean per-token

@@ -6,7 +6,7 @@ After every ``tell`` the distribution mean moves back toward the start x0 by a f
 
 This is AdamW's decoupled weight decay (Loshchilov & Hutter 2019), taken toward the initial
 point as anchored weight decay is, applied to an ES mean after the optimizer's own update. It is
-the search's ``optimizer.drift_budget.decay`` (docs/drift.md).
+the search's ``optimizer.drift_budget.decay`` (docs/drift-control.md).
 
 How, without a line in any optimizer: :class:`MeanDecay` wraps an optimizer and keeps an offset
 t (D,) between its own coordinates and the inner optimizer's. Its candidates are the inner
