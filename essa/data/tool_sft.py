@@ -209,10 +209,10 @@ def calendar_question(question: str) -> tuple[str, str] | None:
         year = int(leap.group(1))
         code = f'import calendar\nprint("Yes" if calendar.isleap({year}) else "No")'
         return code, "Yes" if calendar.isleap(year) else "No"
-    code = _calendar_code(question, _dates(question))
-    if code is None:
+    dated = _calendar_code(question, _dates(question))
+    if dated is None:
         return None
-    return code, _run_print(code)
+    return dated, _run_print(dated)
 
 
 def _calendar_code(question: str, dates: list[tuple[int, int, int]]) -> str | None:

@@ -202,6 +202,7 @@ class Watch:
         ``scores``: the search's start's per-item validation scores."""
         ceiling = StartCeiling.of(scores)
         keep = self.settings.on_no_signal == "keep_start"
+        line: str | None
         if ceiling is not None:
             self.state["start_ceiling"] = dataclasses.asdict(ceiling)
             line = ceiling.line(keep)
