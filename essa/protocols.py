@@ -1,7 +1,7 @@
 """The typed seams between the packages: what a recipe may call on an evaluator or optimizer.
 
 Structural (typing.Protocol): the HF and vLLM evaluators, every optimizer and the tests' fake
-evaluator satisfy them without inheriting from anything. docs/architecture.md lists them.
+evaluator satisfy them without inheriting from anything. docs/contracts.md lists them.
 """
 
 from __future__ import annotations
