@@ -4,19 +4,20 @@ wrapper for every registered ES optimizer (essa.optimizers.decay)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from essa import seeding
 from essa.config import ConfigError, load_config
-from essa.optimizers import OPTIMIZERS, EsOptimizerSpec, Optimizer, make_optimizer, register
+from essa.optimizers import OPTIMIZERS, EsOptimizerSpec, Optimizer, make_optimizer
 from essa.optimizers.decay import MeanDecay, with_decay
 from essa.optimizers.layerwise import LayerwiseES
-from tests.test_architecture import HILL_SAMPLES, Hill, HillOptions
+from tests import test_architecture
 from tests.test_optimizers import make, run, sphere
+
+# test_architecture's toy ES, registered through the public registry and taken out after.
+hill = test_architecture.hill
 
 DIM = 12
 ETA = 0.1
@@ -140,20 +141,6 @@ def test_config_key_is_checked() -> None:
 
 
 # ------------------------------------------------------------ an optimizer registered outside essa
-
-
-@pytest.fixture
-def hill() -> Iterator[EsOptimizerSpec]:
-    """test_architecture's toy ES, registered through the public registry, taken out after."""
-    spec = EsOptimizerSpec(
-        name=Hill.name, factory=Hill, options=HillOptions, seed_domains={HILL_SAMPLES: 9001}
-    )
-    register(spec)
-    try:
-        yield spec
-    finally:
-        OPTIMIZERS.pop(spec.name)
-        seeding.DOMAINS.pop(HILL_SAMPLES)
 
 
 def test_a_toy_optimizer_gets_the_decay_with_no_code_of_its_own(hill: EsOptimizerSpec) -> None:
