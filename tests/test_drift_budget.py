@@ -131,6 +131,8 @@ def test_a_run_logs_the_drift_budget_and_the_anchor_pulls_toward_sft(tmp_path: P
         (["optimizer.drift_budget.prompts=0"], "optimizer.drift_budget.prompts: must be >= 1"),
         (["optimizer.drift_budget.anchor=1", "algorithm=grpo"],
          "optimizer.drift_budget: shapes ESSA's fitness; algorithm grpo"),
+        (["optimizer.drift_budget.decay=0.1", "algorithm=grpo"],
+         "optimizer.drift_budget: decays ESSA's search mean toward its start; algorithm grpo"),
     ],
 )  # fmt: skip
 def test_bad_drift_budgets_fail_in_one_line(sets_: list[str], message: str) -> None:

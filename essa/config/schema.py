@@ -124,13 +124,19 @@ def _check_retention_task(cfg: Config) -> None:
 
 
 def _check_drift_budget(cfg: Config) -> None:
-    """The drift budget shapes ESSA's fitness; its KL terms need the base model in process."""
+    """The drift budget steers ESSA's search (fitness terms, the mean's decay); its KL terms
+    need the base model in process."""
     d = cfg.optimizer.drift_budget
     if d == DriftBudgetConfig():
         return
     if cfg.algorithm != "essa":
+        what = (
+            "decays ESSA's search mean toward its start"
+            if d == DriftBudgetConfig(decay=d.decay)
+            else "shapes ESSA's fitness"
+        )
         raise ConfigError(
-            f"optimizer.drift_budget: shapes ESSA's fitness; algorithm {cfg.algorithm} has its "
+            f"optimizer.drift_budget: {what}; algorithm {cfg.algorithm} has its "
             "own regulariser (grpo.beta: the KL to the reference policy)"
         )
     if d.uses_kl and cfg.backend == "vllm":
