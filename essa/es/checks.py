@@ -5,7 +5,9 @@
 * the validation split scores a point item by item: the run's choices (the exported point,
   the stop) read those scores (essa.es.watch); the search's mean is checked every
   ``evaluation.every`` generations and once more after the search where it ran past its last
-  check.
+  check;
+* with ``optimizer.drift_budget.kl_budget`` the exported point is held to the budget
+  (essa.es.kl_promise) and, where that moved it, validated again.
 
 Every rank calls them and generates its shard of the split; only per-item scores are
 gathered, so the scores are those of one rank (the same sum in the same order).
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from essa.config import DataConfig
     from essa.data.task import Task
     from essa.es.budget import Budget
+    from essa.es.kl_promise import KLPromise
     from essa.es.watch import Watch
     from essa.harness import Harness
 
@@ -62,6 +65,7 @@ class Checks:
     budget: Budget  # its plan sizes a validation check (read at each call)
     pass_drift: DriftFigures  # a checked mean's drift figures (evaluation.drift.every_pass)
     drift_report: DriftFigures  # the exported point's drift report
+    promise: KLPromise | None = None  # optimizer.drift_budget.kl_budget on the exported point
 
     def heldout(
         self,
@@ -118,10 +122,16 @@ class Checks:
         return watch.stop_after_check(g)
 
     def export(
-        self, watch: Watch, opt: Optimizer, select: str, best: list[float] | None
+        self,
+        watch: Watch,
+        opt: Optimizer,
+        select: str,
+        best: list[float] | None,
+        start: AdapterVector,
     ) -> Exported:
         """The exported point: the validated one (essa.es.watch), checked against ``opt``'s
-        mean, or ``best`` (the best candidate seen) with ``evaluation.select: best``, and its
+        mean, or ``best`` (the best candidate seen) with ``evaluation.select: best``, held to
+        the KL budget (``start``: the search's start, where the path to it passes), and its
         final held-out pass on every rank."""
         vector = np.asarray(opt.mean)
         if select == "best" and best is not None:
@@ -129,8 +139,55 @@ class Checks:
         if watch.unchecked(opt.generation):  # the search's last mean, past its last check
             self.check_mean(watch, opt)
         vector, account = watch.choice(vector)  # the validated point, or the SFT adapter
+        if self.promise is not None:
+            vector, account = self.hold(watch, vector, account, np.asarray(start))
         self.h.say(f"exported: {account['point']} ({account['why']})")
         tool_metrics(self.evaluator)
         final = self.heldout(vector, "final held-out", opt.generation, final=True)
         tools = tool_metrics(self.evaluator)  # the final pass's: tool_calls_per_row, ...
         return Exported(vector, account, final, tools)
+
+    def hold(
+        self, watch: Watch, vector: AdapterVector, account: dict[str, Any], start: AdapterVector
+    ) -> tuple[AdapterVector, dict[str, Any]]:
+        """``vector`` held to the KL budget (essa.es.kl_promise) and the account of it; a held
+        search point that no longer beats the SFT adapter on validation gives way to the SFT
+        adapter, held on its own path."""
+        from essa.es.kl_promise import held_account
+        from essa.es.watch import paired_gain
+
+        assert self.promise is not None
+        searched = bool(np.any(vector))  # zeros: the SFT adapter itself
+        held = self.promise.hold(vector, start if searched else vector)
+        val = None
+        if held.moved and searched and watch.validating:
+            scores = self.validate(held.vector, "held to the KL budget")
+            val = (account.get("val_accuracy", float("nan")), float(np.mean(scores)))
+            gain, se = paired_gain(scores, watch.state["reference"])
+            if not (gain > 0 and gain > se):  # holding took back what it had gained
+                sft = np.zeros_like(np.asarray(vector))
+                why = (f"held to the KL budget the point no longer beat the SFT adapter on "
+                       f"validation (+{gain:.3f}, SE {se:.3f})")  # fmt: skip
+                account = {"point": "SFT adapter", "why": why, "checked": account.get("checked")}
+                held = self.promise.hold(sft, sft)
+        account = {**account, "kl_budget": held_account(held, self.promise.budget, val)}
+        self.h.say(held_line(account["kl_budget"]))
+        return held.vector, account
+
+
+def held_line(k: dict[str, Any]) -> str:
+    """The KL budget's line at the export.
+
+    >>> held_line({"budget": 0.1, "kl_before": 0.05, "kl": 0.05, "path_u": 2.0, "held": True})
+    "KL budget 0.1: the exported point's off-task KL(base||tuned) 0.0500 is within it"
+    """
+    head = f"KL budget {k['budget']:g}: the exported point's off-task KL(base||tuned)"
+    if k["path_u"] >= 2.0:
+        return f"{head} {k['kl_before']:.4f} is within it"
+    line = (f"{head} {k['kl_before']:.4f} is over it; held at u={k['path_u']:.3f} on the path "
+            f"base (0) -> start (1) -> point (2): KL {k['kl']:.4f}")  # fmt: skip
+    if "val_before" in k:
+        line += f"; validation {k['val_before']:.3f} -> {k['val_after']:.3f}"
+    if not k["held"]:
+        line += "; even the base end of the path is over the budget (unsearched singular values)"
+    return line

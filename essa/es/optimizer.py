@@ -122,12 +122,21 @@ def search_optimizer(
 ) -> Optimizer:
     """The run's optimizer; with ``optimizer.start: scale_baseline`` its mean starts at the scale
     baseline's factor (``scale``, None when it did not run or failed: the SFT adapter)."""
+    if cfg.start == "scale_baseline" and scale is not None:
+        return make_es_optimizer(cfg, seed, adapter, x0=start_vector(cfg, adapter, scale))
+    return make_es_optimizer(cfg, seed, adapter)
+
+
+def start_vector(
+    cfg: OptimizerConfig, adapter: SVDAdapter, scale: dict[str, Any] | None
+) -> AdapterVector:
+    """(D,) the offsets the search starts at: the scale baseline's factor, or zeros (the SFT
+    adapter)."""
     from essa.es.start import scale_vector
 
     if cfg.start == "scale_baseline" and scale is not None:
-        x0 = scale_vector(adapter, scale["factor"])
-        return make_es_optimizer(cfg, seed, adapter, x0=x0)
-    return make_es_optimizer(cfg, seed, adapter)
+        return scale_vector(adapter, scale["factor"])
+    return np.zeros(adapter.dim)
 
 
 def start_note(cfg: OptimizerConfig, scale: dict[str, Any] | None) -> str:

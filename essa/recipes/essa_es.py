@@ -40,7 +40,7 @@ from essa.es.baselines import baseline_record, fresh_state, open_watch, searched
 from essa.es.budget import Budget
 from essa.es.checks import Checks, val_prompts
 from essa.es.loop import Search, shown
-from essa.es.optimizer import check_searchable, search_optimizer, start_note
+from essa.es.optimizer import check_searchable, search_optimizer, start_note, start_vector
 from essa.es.settings import RunSettings, apply_plan
 from essa.es.watch import Watch
 from essa.harness import Harness
@@ -138,6 +138,7 @@ def _checks(
     from essa.backends import population_evaluator
     from essa.drift.offtask import ContinuationCache
     from essa.drift.report import adapter_pass_figures, adapter_report
+    from essa.es.kl_promise import kl_promise
     from essa.rewards.logprob import COMPLETION_LOGPROBS
 
     settings = setup.evaluator_settings(cfg)
@@ -146,11 +147,13 @@ def _checks(
     evaluator.reference_margin = cfg.reward.reference_signal == "margin"  # type: ignore[attr-defined]
     val = val_prompts(task, cfg.data, tokenizer)
     drift, cache = setup.drift_settings(cfg), ContinuationCache()  # one cache per run
+    budget_kl = cfg.optimizer.drift_budget.kl_budget
+    promise = kl_promise(budget_kl, drift, cache, model, tokenizer, adapter, h.comm)
     pass_drift = functools.partial(adapter_pass_figures, drift, cache, model, tokenizer, adapter)
     report = functools.partial(
         adapter_report, drift, cache, h, model, tokenizer, adapter, task.test
     )
-    return Checks(h, evaluator, task, test_prompts, val, budget, pass_drift, report)
+    return Checks(h, evaluator, task, test_prompts, val, budget, pass_drift, report, promise)
 
 
 def _drift_budget(
@@ -251,7 +254,8 @@ def _finish(
 
     h, opt, state = checks.h, search.opt, search.state
     best = state["best_vector"]
-    exported = checks.export(watch, opt, search.settings.evaluation.select, best)
+    start = start_vector(search.settings.optimizer, adapter, searched_start(state))
+    exported = checks.export(watch, opt, search.settings.evaluation.select, best, start)
     if not h.is_root:
         return {}
     if "generations" in h.reporter.planned:  # the loop's phase also holds its held-out checks
