@@ -69,7 +69,8 @@ class DriftBudgetConfig:
     # fitness -= kl_penalty * KL(base || candidate), mean per token on the anchor set
     kl_penalty: float = 0.0
     # A candidate whose anchor-set KL(base || candidate) exceeds it ranks below every candidate
-    # within it (those over it by their KL); None: no constraint.
+    # within it (those over it by their KL), and the exported adapter's off-task KL in the
+    # drift report is held within it (essa.es.kl_promise); None: no constraint.
     kl_budget: float | None = None
     prompts: int = 8  # the anchor set: the first of essa.drift.offtask.offtask_prompts
     tokens: int = 16  # the base model's greedy continuation of each, teacher-forced
