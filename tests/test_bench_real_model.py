@@ -620,3 +620,35 @@ def test_tie_breaker_table_shows_each_factor_and_the_checks_verdict() -> None:
         " | x0.5 | x1 | 0.190 / 0.390 | off |"
     )
     assert rows[3].endswith("| x0.5 | x0.5 | 0.390 / 0.390 | kept |")
+
+
+def test_the_signal_table_reads_each_runs_stop_budget_and_exported_point() -> None:
+    from bench.studies.real_model import signal_table
+
+    def run(gain: float, reason: str | None, generations: int, wall: float, point: str) -> dict:
+        return {
+            "accuracy": {"sft": 0.2, "final": 0.2 + gain},
+            "signal_median": 0.1 + gain,
+            "summary": {"stop_reason": reason, "generations": generations, "wall_seconds": wall,
+                        "plan": {"budget": 1000.0, "generations": 40},
+                        "exported": {"point": point}},
+        }  # fmt: skip
+
+    patience = "stopping after generation 20: validation has not improved for 2 checks"
+    floor = "no signal: the start scores 0.000 on 64 validation items, at the floor"
+    result = {"tasks": {
+        "climbs": {"essa": [run(0.05, patience, 20, 600.0, "mean after generation 10"),
+                            run(0.03, None, 40, 900.0, "mean after generation 40")],
+                   "essa_vs_sft": {"gain": 0.04, "se": 0.01}},
+        "floor": {"essa": [run(0.0, floor, 0, 150.0, "SFT adapter")],
+                  "essa_vs_sft": {"gain": 0.0, "se": 0.0}},
+    }}  # fmt: skip
+    rows = signal_table(result, {"climbs": "+0.045 (0.009)"}).splitlines()
+    assert rows[2] == (
+        "| climbs | 0.200 | 0.240 | +0.040 (0.010) | +0.045 (0.009) | patience (20); cap (40) "
+        "| 20, 40 | 75% | 0.14 | mean after generation 10; mean after generation 40 |"
+    )
+    assert rows[3] == (
+        "| floor | 0.200 | 0.200 | +0.000 (0.000) | - | floor (pre-flight) | 0 | 15% | 0.10 "
+        "| SFT adapter |"
+    )

@@ -321,20 +321,46 @@ def check_cell(scale_baseline: dict[str, Any] | None) -> str:
     return "kept (tie)" if check["reward_with"] == check["reward_without"] else "kept"
 
 
+def stop_kind(summary: dict[str, Any]) -> str:
+    """Why a run's search ended, in a word or two: the pre-flight's floor or ceiling, the
+    patience or no-signal stop after a check (essa.es.watch), else the generation cap or the
+    budget.
+
+    >>> stop_kind({"stop_reason": "stopping after generation 12: validation has not improved "
+    ...            "for 2 checks (best 0.310, run.patience 2)", "generations": 12})
+    'patience (12)'
+    >>> stop_kind({"stop_reason": None, "generations": 40, "plan": {"generations": 40}})
+    'cap (40)'
+    """
+    reason, made = summary.get("stop_reason") or "", summary["generations"]
+    if reason.startswith("start at the ceiling"):
+        return "ceiling (pre-flight)"
+    if reason.startswith("no signal: the start scores"):
+        return "floor (pre-flight)"
+    if "validation has not improved" in reason:
+        return f"patience ({made})"
+    if "no signal" in reason:
+        return f"no signal ({made})"
+    if reason:
+        return reason.split(":")[0]
+    planned = (summary.get("plan") or {}).get("generations")
+    return f"cap ({made})" if planned is None or made >= planned else f"budget ({made})"
+
+
 def watch_cells(record: dict[str, Any]) -> list[str]:
     """A run's own reading of its signal (docs/signal.md): the median signal, the exported
     point, why it stopped and the share of its budget it used; "-" for a record from before.
 
-    >>> s = {"exported": {"point": "SFT adapter"}, "stop_reason": "no signal: ...",
-    ...      "wall_seconds": 285.0, "plan": {"budget": 1140.0}}
+    >>> s = {"exported": {"point": "SFT adapter"}, "stop_reason": "no signal: the start scores "
+    ...      "0.000 on 64 validation items", "generations": 0, "wall_seconds": 285.0,
+    ...      "plan": {"budget": 1140.0}}
     >>> watch_cells({"summary": s, "signal_median": 0.02})
-    ['0.02', 'SFT adapter', 'no signal', '25%']
+    ['0.02', 'SFT adapter', 'floor (pre-flight)', '25%']
     """
     s = record["summary"]
     signal = record.get("signal_median")
     exported = (s.get("exported") or {}).get("point", "-")
-    reason = s.get("stop_reason")
-    stop = "-" if "exported" not in s else (reason or "ceiling or budget").split(":")[0]
+    stop = "-" if "exported" not in s else stop_kind(s)
     budget = (s.get("plan") or {}).get("budget")
     used = f"{s['wall_seconds'] / budget:.0%}" if budget else "-"
     return ["-" if signal is None else f"{signal:.2f}", exported, stop, used]
@@ -366,6 +392,45 @@ def seeds_table(result: dict[str, Any]) -> str:
                 f"{s['peak_rss_mb']:.0f} MB" if s.get("peak_rss_mb") else "-",
             ]  # fmt: skip
             lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def before_gains(name: str | None) -> dict[str, str]:
+    """Each task's ESSA - SFT (paired SE) in an earlier result ``bench/results/NAME.json``, the
+    gain the signal table sets beside today's; {} without one."""
+    if not name:
+        return {}
+    earlier = json.loads((RESULTS / f"{name}.json").read_text())
+    tasks = earlier.get("result", earlier)["tasks"]
+    return {t: f"{v['essa_vs_sft']['gain']:+.3f} ({v['essa_vs_sft']['se']:.3f})"
+            for t, v in tasks.items()}  # fmt: skip
+
+
+def signal_table(result: dict[str, Any], before: dict[str, str]) -> str:
+    """One row per task: how the runs read their own signal (docs/signal.md), over seeds:
+    why each stopped, generations made, the share of the budget used (median), the signal
+    (median of the runs' medians), the exported points, and ESSA - SFT on the test split
+    pooled over seeds beside ``before`` (the same task in an earlier result)."""
+    lines = [
+        "| task | SFT | ESSA | ESSA - SFT (paired SE) | before | stop (per seed) "
+        "| generations | budget used (median) | signal (median) | exported (per seed) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for task, t in result["tasks"].items():
+        cells = [watch_cells(r) for r in t["essa"]]  # signal, exported, stop, used
+        signals = [r["signal_median"] for r in t["essa"] if r.get("signal_median") is not None]
+        used = [r["summary"]["wall_seconds"] / r["summary"]["plan"]["budget"]
+                for r in t["essa"] if (r["summary"].get("plan") or {}).get("budget")]  # fmt: skip
+        p = t["essa_vs_sft"]
+        lines.append(
+            f"| {task} | {mean_accuracy(t['essa'], 'sft'):.3f} | "
+            f"{mean_accuracy(t['essa'], 'final'):.3f} | {p['gain']:+.3f} ({p['se']:.3f}) | "
+            f"{before.get(task, '-')} | {'; '.join(c[2] for c in cells)} | "
+            f"{', '.join(str(r['summary']['generations']) for r in t['essa'])} | "
+            f"{f'{statistics.median(used):.0%}' if used else '-'} | "
+            f"{f'{statistics.median(signals):.2f}' if signals else '-'} | "
+            f"{'; '.join(c[1] for c in cells)} |"
+        )
     return "\n".join(lines)
 
 
@@ -504,6 +569,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "check that every held-out pass reproduces its recorded per-item scores",
     )
     parser.add_argument(
+        "--before",
+        metavar="NAME",
+        help="an earlier result (bench/results/NAME.json) whose ESSA - SFT per task the signal "
+        "table (OUT_signal.md) sets beside this run's",
+    )
+    parser.add_argument(
         "--out",
         default="real_model",
         help="write bench/results/OUT.json and OUT.md (a partial run keeps the main table)",
@@ -532,6 +603,9 @@ def main() -> None:
     (RESULTS / f"{args.out}.md").write_text(table(result) + "\n")
     (RESULTS / f"{args.out}_short.md").write_text(short_table(result) + "\n")
     (RESULTS / f"{args.out}_seeds.md").write_text(seeds_table(result) + "\n")
+    (RESULTS / f"{args.out}_signal.md").write_text(
+        signal_table(result, before_gains(args.before)) + "\n"
+    )
     drift = drift_table(result)
     if drift:
         (RESULTS / f"{args.out}_drift.md").write_text(drift + "\n")
