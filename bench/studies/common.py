@@ -70,7 +70,17 @@ UNTUNED: dict[str, dict[str, Any]] = {
     "gcd": {},  # 35 / 1.1
 }
 
-ALL_TASKS = {**TASKS, **UNTUNED}
+# Tasks at SmolLM2's edges, where a run should stop before its search (docs/signal.md): the
+# SFT adapter of the shipped config (seed 0, 200 held-out items; `essa sft` then `essa eval
+# --adapter`) scores 0.000 full credit on leg_counting at reasoning-gym's defaults (the floor),
+# and 0.975 on needle_haystack with one statement (a name to copy out of one sentence: the
+# ceiling; 0.835 with one or two statements, 0.475 with two to five).
+EDGES: dict[str, dict[str, Any]] = {
+    "leg_counting": {},
+    "needle_haystack": {"min_num_statements": 1, "max_num_statements": 1},
+}
+
+ALL_TASKS = {**TASKS, **UNTUNED, **EDGES}
 
 
 def task_config(task: str, params: dict[str, Any], out: Path) -> Path:

@@ -42,6 +42,7 @@ from bench.studies.common import (
     ALL_TASKS,
     ARCHIVE,
     CONFIG,
+    EDGES,
     TASKS,
     UNTUNED,
     essa,
@@ -537,7 +538,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(ALL_TASKS),
                         help="default: the three tasks of the README table; also "
-                        + ", ".join(UNTUNED))  # fmt: skip
+                        + ", ".join([*UNTUNED, *EDGES]))  # fmt: skip
     parser.add_argument("--no-grpo", dest="grpo", action="store_false")
     parser.add_argument(
         "--grpo-tasks",
