@@ -474,10 +474,11 @@ def test_sft_code_targets_compute_the_reference_answer(task: str) -> None:
     assert target.endswith(f"The answer is {next(ex for ex in with_code if ex.solution).answer}.")
 
 
-@pytest.mark.parametrize("task", ["leg_counting", "calendar_arithmetic"])
+@pytest.mark.parametrize("task", ["leg_counting", "calendar_arithmetic", "word_sorting"])
 def test_word_problem_solvers_score_full_marks_by_the_tasks_own_scorer(task: str) -> None:
-    """The solvers that read quantities out of words (animals and their legs, dates written
-    out) answer every one of 200 items, and the task's own scorer gives each answer 1.0."""
+    """The solvers that read what to compute out of words (animals and their legs, dates
+    written out, the words to sort) answer every one of 200 items, and the task's own scorer
+    gives each answer 1.0."""
     pytest.importorskip("reasoning_gym")
     from essa.data.gym import gym_dataset
     from essa.data.tool_sft import solve
@@ -498,7 +499,7 @@ def test_sft_code_prints_its_value_in_the_sandbox() -> None:
     from essa.data.tool_sft import solve
     from essa.tools.sandbox import run_python_batch
 
-    tasks = ("chain_sum", "gcd", "count_bits", "letter_counting", "leg_counting")
+    tasks = ("chain_sum", "gcd", "count_bits", "letter_counting", "leg_counting", "word_sorting")
     found = [solve(gym_examples(task)[0].prompt) for task in tasks]
     kinds: dict[str, str] = {}  # one question of each calendar kind (7)
     for entry in gym_dataset("calendar_arithmetic"):

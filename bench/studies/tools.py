@@ -62,6 +62,8 @@ TASKS: dict[str, dict[str, Any]] = {
     # out (weekdays, offsets, counts of a weekday between two dates, leap years).
     "leg_counting": {},
     "calendar_arithmetic": {},
+    # The words to sort are in the text: the code must copy each one exactly (case, accents).
+    "word_sorting": {},
 }
 TOOLS = ["tools.python.max_tool_calls=1", "data.template=python_tool"]
 ARMS = ("text ESSA", "tool ESSA", "tool GRPO")

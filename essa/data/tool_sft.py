@@ -9,7 +9,7 @@ a solver below recognises gets the target a tool-using rollout should produce::
 prints, then ``The answer is <answer>.``), so a small chat model learns the format in the SFT
 stage. A solver reads numbers out of the question and writes the code that computes the answer
 (an arithmetic expression, gcd/lcm, bit counts, letter counts, the legs of the animals listed,
-``datetime``/``calendar`` calls on dates written out); the value is computed here the same way
+``datetime``/``calendar`` calls on dates written out, the words to sort); the value is computed here the same way
 the code would print it, and the example keeps its text target unless that value
 equals its reference answer. Questions no solver reads keep their text target: the SFT then
 mixes both kinds, and the model may still call the tool on them.
@@ -262,6 +262,30 @@ def _nth_weekday(ordinal: str, weekday: str, month_name: str, year: str) -> str:
             f' "{weekday}"]\nprint({pick})')  # fmt: skip
 
 
+_SORT_WORDS = re.compile(
+    r"sort these words in (ascending|descending) order .*? comma-separated list: (.+?)\s*$", re.S
+)
+
+
+def word_sort(question: str) -> tuple[str, str] | None:
+    """``print(", ".join(sorted([...])))`` for "sort these words in ascending order ...: w1, w2": the
+    model must copy every word into the list exactly (case, accents) and pick the order.
+
+    >>> code, value = word_sort("Now, sort these words in descending order (using ASCII/Unicode "
+    ...                         "ordering) and return them as a comma-separated list: Only, federal")
+    >>> print(code, "->", value)
+    print(", ".join(sorted(['Only', 'federal'], reverse=True))) -> federal, Only
+    """
+    match = _SORT_WORDS.search(question)
+    if match is None:
+        return None
+    order, words = match.group(1), match.group(2).split(", ")
+    reverse = order == "descending"
+    # printed: an echoed last expression would show the string's repr, quotes and all
+    code = f'print(", ".join(sorted({words!r}, reverse={reverse})))'
+    return code, ", ".join(sorted(words, reverse=reverse))
+
+
 def _run_print(code: str) -> str:
     """What ``code`` (the calendar solver's own, standard library only) prints."""
     out = io.StringIO()
@@ -275,6 +299,7 @@ SOLVERS: tuple[Solver, ...] = (
     count_bits,
     letter_count,
     leg_count,
+    word_sort,
     calendar_question,
     arithmetic,
 )
