@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import doctest
+import json
 from pathlib import Path
 from typing import Any
 
@@ -291,3 +292,36 @@ def test_retention_generates_past_a_short_task_length(tiny_model_dir: Path) -> N
     assert {"base", "sft", "tuned", "change_from_base"} <= set(report["retention"])
     run(7)
     assert lengths == [5, 7]
+
+
+def test_a_grpo_run_generates_the_base_continuations_once(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GRPO's held-out passes and its final report read one cache, the policy's: three passes
+    and the report make one base-model generation of the off-task set, and the report's KL is
+    the one an uncached measurement of the final policy gives."""
+    import essa.drift.offtask as offtask
+    from essa.config import load_config
+    from essa.recipes import grpo
+
+    calls: list[int] = []
+    real = offtask.base_continuations
+
+    def counting(models, prompts, tokens):  # type: ignore[no-untyped-def]
+        calls.append(len(prompts))
+        return real(models, prompts, tokens)
+
+    monkeypatch.setattr(offtask, "base_continuations", counting)
+    cfg = load_config(None, [
+        "algorithm=grpo", f"model.name_or_path={tiny_model_dir}", "grpo.prompts_per_step=2",
+        "grpo.group_size=2", "reward.name=length", "reward.params={max_length: 8, unit: chars}",
+        "sft.steps=2", "sft.batch_size=4", "data.sft_size=8", "data.test_size=4",
+        "evaluation.every=1", "evaluation.drift.prompts=4", "evaluation.drift.items=0",
+        "run.show_progress=false", "run.generations=3", "generation.max_new_tokens=8",
+    ])  # fmt: skip
+    (tmp_path / "run").mkdir()
+    summary = grpo.run(cfg, tmp_path / "run")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert sum("drift_kl_base" in r for r in records) == 3  # a KL figure at every pass
+    assert calls == [4]  # one generation of the 4 off-task prompts, read by all four
+    assert summary["drift"]["kl_base"] == pytest.approx(records[-1]["drift_kl_base"])

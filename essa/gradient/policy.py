@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +15,7 @@ import torch
 
 from essa.backends.stops import stop_token_ids
 from essa.config import GenerationConfig, GRPOConfig, PythonToolConfig
+from essa.drift.offtask import ContinuationCache
 from essa.gradient.losses import era_activation, token_entropy
 
 if TYPE_CHECKING:
@@ -30,6 +31,10 @@ class Policy:
     params: list[torch.Tensor]  # the trainable tensors
     reference: list[torch.Tensor]  # their SFT values: the KL reference and the baseline
     svd: SVDAdapter | None = None  # when trainable == singular_values
+    # The base model's off-task continuations for the drift figures: generated at the first
+    # held-out pass, read by the later ones and the final report (the base weights do not train
+    # under lora or singular_values; under lisa there is no base model to compare).
+    offtask: ContinuationCache = field(default_factory=ContinuationCache)
 
     @classmethod
     def build(

@@ -167,7 +167,7 @@ def _heldout_pass(
     if cfg.tools.python.max_tool_calls:
         record.update({"heldout_" + k: v for k, v in tally.metrics().items()})
     if cfg.evaluation.drift.every_pass:
-        record.update(pass_figures(*_drift_models(cfg, policy, tokenizer)))
+        record.update(pass_figures(*_drift_models(cfg, policy, tokenizer), policy.offtask))
     return record
 
 
@@ -299,7 +299,7 @@ def _drift(
     settings, models, updates = _drift_models(cfg, policy, tokenizer)
     # Not under policy.inference(): its cached factors would outlive frozen_reference's swap.
     with h.phase("drift"):
-        report = measure(settings, models, tokenizer, data.test, h.metric, updates)
+        report = measure(settings, models, tokenizer, data.test, h.metric, updates, policy.offtask)
     if (line := summary_line(report)) is not None:
         h.say(line)
     return report
