@@ -238,13 +238,19 @@ def _floor_task(path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_train_at_the_floor_keeps_the_start_and_says_why(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start", ["sft", "scale_baseline"])
+def test_train_at_the_floor_keeps_the_start_and_says_why(tmp_path: Path, start: str) -> None:
+    """At the floor the run keeps the start, says why in one line and scores the test split
+    once: the final pass is the start's own scores. With the scaled start configured (and the
+    tie-breaker on), the scaled start is not tried from the floor, and the line says so."""
     data = _floor_task(tmp_path / "floor.jsonl")
     run_dir = tmp_path / "run"
     sets = [
         "sft.steps=2", "data.sft_size=32", "data.test_size=40", "data.val_size=40",
         "data.batch_size=8", "optimizer.population_size=4", "run.generations=20",
         "run.show_progress=false", f"data.source={data}", "reward.name=math_accuracy",
+        f"optimizer.start={start}", "evaluation.use_scale_baseline=false",
+        *(["reward.reference_weight=1.0"] if start == "scale_baseline" else []),
     ]  # fmt: skip
     res = essa("train", "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)])
     assert res.returncode == 0, res.stderr[-3000:]
@@ -259,6 +265,22 @@ def test_train_at_the_floor_keeps_the_start_and_says_why(tmp_path: Path) -> None
     assert summary["stop_reason"].startswith("no signal:")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["generation"] for r in records] == [-1]  # no generation ran
+    passes = [json.loads(line) for line in (run_dir / "heldout_scores.jsonl").open()]
+    assert [(p["pass"], p["final"]) for p in passes] == [
+        ("held-out baseline", False),
+        ("final held-out", True),
+    ]
+    assert passes[1]["scores"] == passes[0]["scores"]
+    assert "final held-out: the SFT adapter's scores from the start" in res.stdout
+    phases = [json.loads(line)["phase"] for line in (run_dir / "phases.jsonl").open()]
+    assert phases.count("final held-out") == 0 and phases.count("held-out baseline") >= 1
+    assert "scale baseline" not in phases
+    if start == "scale_baseline":
+        assert "scaled start not tried: the SFT adapter is at the floor on validation" in res.stdout
+        assert "the scaled start and the tie-breaker's check are not tried" in lines[0]
+        assert summary["scale_baseline"] is None
+    else:
+        assert "no tie-breaker carries the ranking" in lines[0]
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import numpy as np
 
 from essa.config import OptimizerConfig, PythonToolConfig, RewardConfig, RunConfig
 from essa.es.references import check_references
-from essa.es.watch import Watch, WatchSettings
+from essa.es.watch import Watch, WatchSettings, at_an_edge
 from essa.rewards.base import Reward
 from essa.types import AdapterVector
 
@@ -45,8 +45,11 @@ def fresh_state(
     in a budgeted run, the plan re-made with each pass's measured cost)."""
     h, budget, task = checks.h, checks.budget, checks.task
     start = time.perf_counter()
+    zeros = np.zeros(adapter.dim)
+    scores = checks.heldout_items(zeros, "held-out baseline", -1)
     state: dict[str, Any] = {
-        "baseline_accuracy": checks.heldout(np.zeros(adapter.dim), "held-out baseline", -1),
+        "baseline_accuracy": float(np.mean(scores)) if scores else float("nan"),
+        "baseline_scores": scores,  # the final pass's own when the run exports the SFT adapter
         "best_fitness": None,
         "best_vector": None,
         "elapsed": 0.0,
@@ -55,13 +58,33 @@ def fresh_state(
     budget.remeasure(inputs, h, seconds, len(task.test), len(task.train))
     if budget.plan is not None:
         state["plan"] = budget.plan.as_dict()
-    if inputs.evaluation.use_scale_baseline or inputs.optimizer.start == "scale_baseline":
+    # The watch's reference, scored once: at an edge the scaled start is not tried.
+    state["sft_validation"] = checks.validate(zeros, "SFT adapter")
+    budget.reference_scored = True
+    tried = _scaled_start(inputs, state["sft_validation"], h)
+    if inputs.optimizer.start == "scale_baseline" and not tried:
+        state["scaled_start_skipped"] = True  # at an edge: the pre-flight reads the SFT adapter
+    if inputs.evaluation.use_scale_baseline or tried:
         state["scale_baseline"] = _scale_baseline(
             inputs, reward_cfg, tools, checks, adapter, train_prompts, reward
         )
         if budget.plan is not None:
             state["plan"] = budget.plan.as_dict()
     return state
+
+
+def _scaled_start(inputs: PlanInputs, sft_validation: list[float], h: Harness) -> bool:
+    """Whether the search's scaled start is tried: ``optimizer.start: scale_baseline``, unless
+    the SFT adapter is at the floor or the ceiling on validation and the run keeps its start
+    there (``run.on_no_signal: keep_start``): a factor chosen on a reward that is nearly all 0
+    or all 1 is chosen on noise (x6 on a floor task), and the pre-flight keeps the start."""
+    if inputs.optimizer.start != "scale_baseline":
+        return False
+    edge = at_an_edge(sft_validation)
+    if edge is None or inputs.run.on_no_signal != "keep_start":
+        return True
+    h.say(f"scaled start not tried: the SFT adapter is at the {edge} on validation")
+    return False
 
 
 def _scale_baseline(
@@ -144,9 +167,12 @@ def searched_start(state: dict[str, Any]) -> dict[str, Any] | None:
     return None if scale is None or scale.get("validated") is False else scale
 
 
-def dense_informative(reward: RewardConfig, state: dict[str, Any]) -> bool:
+def dense_informative(reward: RewardConfig, state: dict[str, Any]) -> bool | None:
     """Whether the fitness's tie-breaker ranks where the reward cannot: it is on and its check
-    found factors the reward scores higher than the reward alone found (essa.es.start)."""
+    found factors the reward scores higher than the reward alone found (essa.es.start); None
+    where it is on but its check did not run (no scaled start tried)."""
+    if reward.reference_weight and state.get("scaled_start_skipped"):
+        return None
     check = (state.get("scale_baseline") or {}).get("reference_check")
     if not reward.reference_weight or not check or check.get("factor") is None:
         return False
@@ -185,7 +211,9 @@ def watch_start(
     from essa.es.start import scale_vector
 
     zeros = np.zeros(adapter.dim)
-    scores = validate(zeros, "SFT adapter")
+    scores = (
+        state["sft_validation"] if "sft_validation" in state else validate(zeros, "SFT adapter")
+    )
     if not scores:
         h.say("no validation split (data.val_size 0): the search's mean is exported unchecked")
         return watch.state

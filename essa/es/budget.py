@@ -36,6 +36,7 @@ class Budget:
     row: float = 0.0  # the last measured cost of a held-out row (the held-out checks' price)
     probe_row: float = 0.0  # the probe's cost of a row (base model, micro-batch of 16)
     val_items: int | None = None  # the validation split's items (what the checks score)
+    reference_scored: bool = False  # the SFT adapter's validation scores are taken: keep their size
 
     @classmethod
     def start(
@@ -207,9 +208,13 @@ class Budget:
             val_items=self.val_items,
         )
         planned = {k: first[k] if k in done else v for k, v in plan.seconds.items()}
-        # The scaled start's prompts were fixed when it ran: a later re-plan keeps them.
+        # The scaled start's prompts were fixed when it ran, and the checks' validation items
+        # when the SFT adapter's reference scores were taken: a later re-plan keeps them.
         start_prompts = self.plan.start_prompts if "scale baseline" in done else plan.start_prompts
-        self.plan = dataclasses.replace(plan, seconds=planned, start_prompts=start_prompts)
+        checks = self.plan.check_items if self.reference_scored else plan.check_items
+        self.plan = dataclasses.replace(
+            plan, seconds=planned, start_prompts=start_prompts, check_items=checks
+        )
         self.row = costs.row
         self.announce(h, f" (re-measured on {measured_on})")
 

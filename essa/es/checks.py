@@ -75,15 +75,26 @@ class Checks:
         final: bool = False,
     ) -> float:
         """Test-split score of ``vector`` (never fed back); samples with ``generation``."""
+        scores = self.heldout_items(vector, name, generation, final)
+        return sum(scores) / len(scores) if scores else float("nan")
+
+    def heldout_items(
+        self,
+        vector: AdapterVector,
+        name: str = "held-out",
+        generation: int | None = None,
+        final: bool = False,
+    ) -> list[float]:
+        """:meth:`heldout`'s per-item scores, in item order."""
         from essa.dist import shard
 
         h, examples, prompts = self.h, self.task.test, self.test_prompts
         if not examples:
-            return float("nan")
+            return []
         part = shard(len(prompts), h.comm.rank, h.comm.world_size)
         with h.phase(name, part.stop - part.start, unit="rows") as bar:
             texts = heldout_texts(self.evaluator, vector, prompts[part], bar.advance)
-        return h.score_shard(texts, examples, prompts, part, generation, final=final, name=name)
+        return h.score_items(texts, examples, prompts, part, generation, final=final, name=name)
 
     def validate(self, vector: AdapterVector, name: str) -> list[float]:
         """Per-item validation scores of ``vector`` (the first ``budget.items``: the plan's size
@@ -128,11 +139,13 @@ class Checks:
         select: str,
         best: list[float] | None,
         start: AdapterVector,
+        sft_scores: list[float] | None = None,
     ) -> Exported:
         """The exported point: the validated one (essa.es.watch), checked against ``opt``'s
         mean, or ``best`` (the best candidate seen) with ``evaluation.select: best``, held to
         the KL budget (``start``: the search's start, where the path to it passes), and its
-        final held-out pass on every rank."""
+        final held-out pass on every rank (the SFT adapter's, ``sft_scores``, when that is the
+        point: the same greedy completions again)."""
         vector = np.asarray(opt.mean)
         if select == "best" and best is not None:
             vector = np.asarray(best)
@@ -142,6 +155,12 @@ class Checks:
         if self.promise is not None:
             vector, account = self.hold(watch, vector, account, np.asarray(start))
         self.h.say(f"exported: {account['point']} ({account['why']})")
+        if sft_scores and not np.any(vector) and getattr(self.evaluator, "tools", None) is None:
+            self.h.say("final held-out: the SFT adapter's scores from the start (the same point)")
+            final = self.h.record_pass(
+                sft_scores, opt.generation, final=True, name="final held-out"
+            )
+            return Exported(vector, account, final, {})
         tool_metrics(self.evaluator)
         final = self.heldout(vector, "final held-out", opt.generation, final=True)
         tools = tool_metrics(self.evaluator)  # the final pass's: tool_calls_per_row, ...

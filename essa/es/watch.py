@@ -51,6 +51,20 @@ def paired_gain(scores: Sequence[float], reference: Sequence[float]) -> tuple[fl
     return float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))
 
 
+def at_an_edge(scores: Sequence[float]) -> str | None:
+    """ "floor" or "ceiling" where per-item validation ``scores`` are there (the pre-flight's
+    thresholds), else None.
+
+    >>> at_an_edge([0.0] * 40), at_an_edge([1.0] * 40), at_an_edge([0.0, 1.0])
+    ('floor', 'ceiling', None)
+    """
+    if not len(scores):
+        return None
+    if StartCeiling.of(scores) is not None:
+        return "ceiling"
+    return "floor" if float(np.mean(scores)) < FLOOR else None
+
+
 @dataclass(frozen=True)
 class WatchSettings:
     """What the watch reads of the config (section ``run``)."""
@@ -197,9 +211,10 @@ class Watch:
         return s["stop"]
 
     # ------------------------------------------------------------------ the pre-flight
-    def preflight(self, scores: Sequence[float], dense_informative: bool) -> str | None:
+    def preflight(self, scores: Sequence[float], dense_informative: bool | None) -> str | None:
         """Before the search: the one line saying why it would search blind, or None.
-        ``scores``: the search's start's per-item validation scores."""
+        ``scores``: the search's start's per-item validation scores; ``dense_informative``:
+        whether the tie-breaker's check found it ranks (None: the check did not run)."""
         ceiling = StartCeiling.of(scores)
         keep = self.settings.on_no_signal == "keep_start"
         line: str | None
@@ -212,17 +227,21 @@ class Watch:
             self.state["stop"] = line
         return line
 
-    def _floor_line(self, start: float, dense_informative: bool, keep: bool) -> str | None:
-        """The floor's line: a start scoring below FLOOR with no tie-breaker to rank by."""
+    def _floor_line(self, start: float, dense_informative: bool | None, keep: bool) -> str | None:
+        """The floor's line: a start scoring below FLOOR with no tie-breaker to rank by (or
+        none checked: from the floor the scaled start and its check are not tried)."""
         if start >= FLOOR or dense_informative:
             return None
         n = len(self.state["reference"] or ())
         action = "keeping the start (run.on_no_signal: keep_start)" if keep else "searching anyway"
+        tie = "no tie-breaker carries the ranking" if dense_informative is False else (
+            "the scaled start and the tie-breaker's check are not tried from the floor"
+        )  # fmt: skip
         return (
             f"no signal: the start scores {start:.3f} on {n} validation items, at the floor "
-            f"(< {FLOOR:g}), and no tie-breaker carries the ranking; {action}; what would "
-            "help: a longer SFT (sft.steps), an easier curriculum (data.params) or sampled "
-            "completions (generation.temperature, generation.samples_per_prompt)"
+            f"(< {FLOOR:g}), and {tie}; {action}; what would help: a longer SFT (sft.steps), "
+            "an easier curriculum (data.params) or sampled completions "
+            "(generation.temperature, generation.samples_per_prompt)"
         )
 
     @property

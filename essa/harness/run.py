@@ -190,6 +190,23 @@ class Harness:
         gather the per-item scores (8 bytes each), and return the mean over all items, summed
         in item order as one rank would. Rank 0's items feed the samples; every pass with a
         ``generation`` or a ``name`` goes to heldout_scores.jsonl."""
+        scores = self.score_items(
+            texts, examples, prompts, part, generation, final=final, name=name
+        )
+        return sum(scores) / len(scores) if scores else float("nan")
+
+    def score_items(
+        self,
+        texts: Sequence[str],
+        examples: Sequence[Example],
+        prompts: Sequence[str],
+        part: slice,
+        generation: int | None = None,
+        *,
+        final: bool = False,
+        name: str | None = None,
+    ) -> list[float]:
+        """:meth:`score_shard`'s per-item scores, gathered in item order."""
         mine = (
             [] if not texts else score_heldout(self.metric, texts, examples[part], prompts[part])[1]
         )
@@ -197,8 +214,20 @@ class Harness:
         if generation is not None and self.is_root and texts:
             self._samples(generation, final, texts, examples[part], mine)
         if generation is not None or name is not None:
-            step = -1 if generation is None else generation
-            self._item_scores(step, final, scores, "held-out" if name is None else name)
+            self.record_pass(scores, generation, final=final, name=name)
+        return scores
+
+    def record_pass(
+        self,
+        scores: Sequence[float],
+        generation: int | None = None,
+        *,
+        final: bool = False,
+        name: str | None = None,
+    ) -> float:
+        """A held-out pass's per-item scores to heldout_scores.jsonl (rank 0); their mean."""
+        step = -1 if generation is None else generation
+        self._item_scores(step, final, scores, "held-out" if name is None else name)
         return sum(scores) / len(scores) if scores else float("nan")
 
     def _samples_title(self, generation: int, final: bool) -> str:

@@ -255,7 +255,8 @@ def _finish(
     h, opt, state = checks.h, search.opt, search.state
     best = state["best_vector"]
     start = start_vector(search.settings.optimizer, adapter, searched_start(state))
-    exported = checks.export(watch, opt, search.settings.evaluation.select, best, start)
+    select, sft_scores = search.settings.evaluation.select, state.get("baseline_scores")
+    exported = checks.export(watch, opt, select, best, start, sft_scores)
     if not h.is_root:
         return {}
     if "generations" in h.reporter.planned:  # the loop's phase also holds its held-out checks
