@@ -139,17 +139,19 @@ def start_vector(
     return np.zeros(adapter.dim)
 
 
-def start_note(cfg: OptimizerConfig, scale: dict[str, Any] | None) -> str:
+def start_note(cfg: OptimizerConfig, state: dict[str, Any]) -> str:
     """The run's opening line's note on where the search starts (and, with
-    ``drift_budget.decay``, that its mean decays back toward there)."""
+    ``drift_budget.decay``, that its mean decays back toward there); ``state``: the run's."""
     decay = cfg.drift_budget.decay
     pull = f"; the mean decays toward the start by {decay:g} a generation" if decay else ""
-    return _start_place(cfg, scale) + pull
+    return _start_place(cfg, state.get("scale_baseline"), state) + pull
 
 
-def _start_place(cfg: OptimizerConfig, scale: dict[str, Any] | None) -> str:
+def _start_place(cfg: OptimizerConfig, scale: dict[str, Any] | None, state: dict[str, Any]) -> str:
     if cfg.start != "scale_baseline":
         return ""
+    if state.get("scaled_start_skipped"):  # essa.es.baselines: the SFT adapter at an edge
+        return "; the scaled start was not tried (the SFT adapter is at an edge on validation)"
     if scale is None:
         return "; the scale baseline failed, so the search starts at the SFT adapter"
     if scale.get("validated") is False:  # essa.es.watch: no better than SFT on validation

@@ -225,6 +225,7 @@ class Watch:
             line = self._floor_line(float(np.mean(scores)), dense_informative, keep)
         if keep and line is not None:
             self.state["stop"] = line
+            self.state["kept_at_preflight"] = True
         return line
 
     def _floor_line(self, start: float, dense_informative: bool | None, keep: bool) -> str | None:
@@ -286,6 +287,8 @@ class Watch:
                 f"no point beat the SFT adapter by more than its paired SE on "
                 f"{len(s['reference'])} validation items"
             )
+            if s.get("kept_at_preflight"):
+                why = "the pre-flight kept the start: " + s["stop"].split(":")[0]
             return np.zeros(len(sft["vector"])), {
                 "point": sft["name"], "generation": sft["generation"],
                 "val_accuracy": sft["score"], "why": why, "checked": checked,

@@ -230,11 +230,13 @@ def _search(
 
 def _opening(settings: RunSettings, dim: int, metric: str, state: dict[str, Any]) -> str:
     """The search's opening line: its size and the SFT adapter's held-out score."""
+    held_out = f"held-out {metric} baseline {state['baseline_accuracy']:.3f}"
+    if (state.get("watch") or {}).get("stop"):  # the pre-flight kept the start
+        return f"ESSA: no search (the pre-flight kept the start), {held_out}"
     return (
         f"ESSA: D={dim} singular-value offsets, population "
         f"{settings.optimizer.population_size}, {settings.data.batch_size} prompts/generation, "
-        f"held-out {metric} baseline {state['baseline_accuracy']:.3f}"
-        + start_note(settings.optimizer, state.get("scale_baseline"))
+        f"{held_out}" + start_note(settings.optimizer, state)
     )
 
 
