@@ -273,6 +273,11 @@ def test_train_at_the_floor_keeps_the_start_and_says_why(tmp_path: Path, start: 
     assert passes[1]["scores"] == passes[0]["scores"]
     assert "final held-out: the SFT adapter's scores from the start" in res.stdout
     assert "ESSA: no search (the pre-flight kept the start)" in res.stdout
+    # The SFT adapter exported unchanged: its KL to the base, no retention or pass@K of its own.
+    assert "kl_base" in summary["drift"] and not {"retention", "samples"} & set(summary["drift"])
+    assert "drift: the SFT adapter exported unchanged; retention and pass@K not measured" in (
+        res.stdout
+    )
     assert "exported: SFT adapter (the pre-flight kept the start: no signal)" in res.stdout
     phases = [json.loads(line)["phase"] for line in (run_dir / "phases.jsonl").open()]
     assert phases.count("final held-out") == 0 and phases.count("held-out baseline") >= 1

@@ -185,16 +185,23 @@ def adapter_report(
     vector: AdapterVector,
 ) -> dict[str, Any]:
     """ESSA's drift report of ``vector`` (rank 0, after the search): ``model`` is the bare base
-    model (None under vLLM: update sizes need W0 too, so nothing is measured)."""
+    model (None under vLLM: update sizes need W0 too, so nothing is measured). The SFT adapter
+    exported unchanged gets its KL and update sizes only: its retention and pass@K would be
+    those of the adapter the run started from, not anything the run changed."""
     if model is None:
         return {}
     updates = adapter_updates(model, adapter, vector)
     models = PopulationModels(model, tokenizer, adapter, np.asarray(vector), s.micro_batch_size)
+    unchanged = not np.any(vector)
+    if unchanged:
+        s = replace(s, drift=replace(s.drift, items=0))  # items 0: no retention, no pass@K
     with h.phase("drift"):
         report = measure(s, models, tokenizer, test, h.metric, updates, cache)
     line = summary_line(report)
     if line is not None:
         h.say(line)
+    if unchanged:
+        h.say("drift: the SFT adapter exported unchanged; retention and pass@K not measured")
     return report
 
 
