@@ -155,7 +155,7 @@ class Checks:
         if self.promise is not None:
             vector, account = self.hold(watch, vector, account, np.asarray(start))
         self.h.say(f"exported: {account['point']} ({account['why']})")
-        if sft_scores and not np.any(vector) and getattr(self.evaluator, "tools", None) is None:
+        if sft_scores and not np.any(vector) and self._repeats_exactly():
             self.h.say("final held-out: the SFT adapter's scores from the start (the same point)")
             final = self.h.record_pass(
                 sft_scores, opt.generation, final=True, name="final held-out"
@@ -165,6 +165,12 @@ class Checks:
         final = self.heldout(vector, "final held-out", opt.generation, final=True)
         tools = tool_metrics(self.evaluator)  # the final pass's: tool_calls_per_row, ...
         return Exported(vector, account, final, tools)
+
+    def _repeats_exactly(self) -> bool:
+        """Whether a second pass of the same point would give the same texts: the HF
+        evaluator's greedy decode without tool calls (a vLLM engine's batching need not
+        repeat bit for bit, and a tool-using pass is wanted for its tool figures)."""
+        return hasattr(self.evaluator, "tools") and self.evaluator.tools is None
 
     def hold(
         self, watch: Watch, vector: AdapterVector, account: dict[str, Any], start: AdapterVector
