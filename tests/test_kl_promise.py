@@ -14,6 +14,7 @@ from essa.drift.models import PopulationModels
 from essa.drift.offtask import ContinuationCache, offtask_kl
 from essa.es.kl_promise import kl_promise, path_points
 from tests.conftest import svd_setup
+from tests.test_drift_budget import SMALL
 from tests.test_train_e2e import essa, sets
 
 
@@ -104,19 +105,6 @@ def test_no_budget_or_no_base_model_makes_no_promise(tiny_model_dir: Path) -> No
     assert kl_promise(None, s, cache, base, tokenizer, adapter) is None
     assert kl_promise(0.1, s, cache, None, tokenizer, adapter) is None  # vLLM: no HF model
     assert kl_promise(0.1, _settings(prompts=0), cache, base, tokenizer, adapter) is None
-
-
-SMALL = [
-    "sft.steps=6",
-    "data.sft_size=16",
-    "data.test_size=16",
-    "data.batch_size=8",
-    "optimizer.population_size=4",
-    "evaluation.every=0",
-    "run.show_progress=false",
-    "run.generations=3",
-    "evaluation.drift.items=0",
-]
 
 
 @pytest.mark.slow
