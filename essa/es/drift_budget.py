@@ -154,15 +154,25 @@ def anchor_set(
 ) -> AnchorSet:
     """The base model's greedy continuations of ``prompts`` and its log-probs on them."""
     from essa.backends.generate import generate_texts
-    from essa.backends.teacher import encode_pairs
     from essa.config import GenerationConfig
-    from essa.drift.models import tail_logp
-    from essa.drift.offtask import tail_mask
 
     gen = GenerationConfig(max_new_tokens=tokens, temperature=0.0)
     continuations, _ = generate_texts(
         model, tokenizer, prompts, gen, micro_batch_size=micro_batch_size
     )
+    return anchor_on(model, tokenizer, prompts, continuations)
+
+
+@torch.no_grad()
+def anchor_on(
+    model: Any, tokenizer: Any, prompts: list[str], continuations: list[str]
+) -> AnchorSet:
+    """The anchor set of ``prompts`` and the base model's ``continuations`` of them: the pairs
+    and the base model's log-probs at the continuation positions."""
+    from essa.backends.teacher import encode_pairs
+    from essa.drift.models import tail_logp
+    from essa.drift.offtask import tail_mask
+
     pairs = encode_pairs(tokenizer, prompts, continuations)
     base_logp = tail_logp(model, pairs, tokenizer.pad_token_id)  # (A, tail, V)
     mask = tail_mask(pairs, base_logp.shape[1])

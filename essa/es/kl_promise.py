@@ -161,20 +161,15 @@ def report_anchor_set(
 ) -> AnchorSet:
     """The drift report's off-task set as an anchor set: its prompts in the run's template,
     the base model's continuations from the run's cache (the report reads the same entry)."""
-    import torch
-
-    from essa.backends.teacher import encode_pairs
-    from essa.drift.models import PopulationModels, tail_logp
-    from essa.drift.offtask import rendered_offtask_prompts, tail_mask
-    from essa.es.drift_budget import AnchorSet
+    from essa.drift.models import PopulationModels
+    from essa.drift.offtask import rendered_offtask_prompts
+    from essa.es.drift_budget import anchor_on
 
     prompts = rendered_offtask_prompts(s.data, s.drift.prompts, tokenizer)
     models = PopulationModels(model, tokenizer, adapter, np.zeros(adapter.dim), s.micro_batch_size)
-    continuations = cache.continuations(models, prompts, s.drift.tokens)
-    pairs = encode_pairs(tokenizer, prompts, continuations)
-    with torch.no_grad():
-        base_logp = tail_logp(model, pairs, tokenizer.pad_token_id)  # (A, tail, V)
-    return AnchorSet(pairs, base_logp, tail_mask(pairs, base_logp.shape[1]), tokenizer.pad_token_id)
+    return anchor_on(
+        model, tokenizer, prompts, cache.continuations(models, prompts, s.drift.tokens)
+    )
 
 
 def held_account(held: Held, budget: float, val: Sequence[float] | None = None) -> dict[str, Any]:
