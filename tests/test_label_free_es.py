@@ -210,12 +210,14 @@ def test_population_pool_two_ranks_match_one_rank(
     assert_same_adapter(two, one)
     # Rank 0 receives the other rank's answer keys (8 bytes each) besides fitness and checks;
     # with the tie-breaker, instead, two more (P,) float gathers (the fitness with the term,
-    # the term alone): each the other rank's 2 candidates x 8 bytes plus an 8-byte count.
+    # the term alone): each the other rank's 2 candidates x 8 bytes plus an 8-byte count,
+    # and the per-prompt fitness the signal reads (2 candidates x 4 prompts, plus a count).
     k = 2 if "generation.samples_per_prompt=2" in sets else 1
     pooled = "reward.params.pool=population" in sets
     # Always: the other rank's 2 candidates' rewards on the 4 prompts (the signal's), 8 bytes
     # each plus a count.
-    expected = 96 + 72 + (8 * (2 * 4 * k) + 8 if pooled else 2 * (8 + 8 * 2))
+    ranked = 8 * 2 * 4 + 8
+    expected = 96 + 72 + (8 * (2 * 4 * k) + 8 if pooled else 2 * (8 + 8 * 2) + ranked)
     for record in generations(two)[1:]:
         assert record["comm_bytes"] == expected
 

@@ -32,7 +32,12 @@ def test_identical_candidates_give_no_signal() -> None:
     values = np.tile(row, (16, 1))  # (P, N): every candidate answers every prompt alike
     fitness = values.mean(1)
     record = signal_record(fitness, values, seed=3, g=5)
-    assert record == {"signal": 0.0, "disagree_share": 0.0, "zero_margin": 1.0}
+    assert record == {
+        "signal": 0.0,
+        "reward_signal": 0.0,
+        "disagree_share": 0.0,
+        "zero_margin": 1.0,
+    }
 
 
 def test_a_planted_ranking_gives_a_high_signal() -> None:
@@ -71,6 +76,44 @@ def test_failed_candidates_rank_last_without_breaking_the_signal() -> None:
     values = np.tile(np.arange(6.0)[:, None], (1, 10))
     values[0] = np.nan  # a candidate with non-finite logits
     assert split_half(values, 0, 0) == pytest.approx(1.0)
+
+
+def test_with_the_tie_breaker_the_signal_reads_the_ranking_the_search_uses() -> None:
+    """Every candidate's reward ties on every prompt, but the tie-breaker's term orders them
+    on every prompt: the ranking the search uses is reliable, the reward's alone is not."""
+    from essa.es.generation import ranked_values
+
+    rng = np.random.default_rng(5)
+    values = np.tile((rng.random(32) < 0.4).astype(float), (16, 1))  # (P, N): ties
+    terms = -2.0 + 0.05 * np.arange(16.0)[:, None] + 0.01 * rng.standard_normal((16, 32))
+    ranked = ranked_values(values, terms, 0.5, 1)  # (P, N)
+    assert split_half(values, 0, 0) == 0.0 and split_half(ranked, 0, 0) > 0.9
+    # two samples per prompt: the term is the prompt's mean over its samples
+    twice = np.repeat(terms, 2, axis=1)  # (P, 2N)
+    np.testing.assert_allclose(ranked_values(values, twice, 0.5, 2), ranked)
+
+
+@pytest.mark.slow
+def test_a_run_with_the_tie_breaker_logs_both_signals(tmp_path: Path) -> None:
+    """Each generation records the reward's signal and the ranking's; the tie-breaker's term
+    moves the second."""
+    run_dir = tmp_path / "run"
+    res = essa("train", "--run-dir", str(run_dir), *_sets(
+        "sft.steps=6", "data.sft_size=16", "data.test_size=16", "data.val_size=0",
+        "data.batch_size=16", "optimizer.population_size=8", "evaluation.every=0",
+        "run.generations=3", "run.show_progress=false", "evaluation.drift.items=0",
+        "reward.reference_weight=1", "reward.reference_check=false",
+    ))  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if r.get("generation", -1) >= 0 and "signal" in r]
+    assert len(records) == 3
+    assert all(0 <= r["signal"] <= 1 and 0 <= r["reward_signal"] <= 1 for r in records)
+    assert any(r["signal"] != r["reward_signal"] for r in records)
+
+
+def _sets(*pairs: str) -> list[str]:
+    return [x for pair in pairs for x in ("--set", pair)]
 
 
 # ---------------------------------------------------------------------- validation split

@@ -16,7 +16,7 @@ from essa import seeding
 from essa.config import DataConfig, GenerationConfig, RewardConfig, RunConfig
 from essa.dist import Comm
 from essa.errors import UserError
-from essa.es.signal import nan_mean, signal_record
+from essa.es.signal import nan_mean, signal_record, split_half
 from essa.protocols import (
     Evaluator,
     LogprobEvaluator,
@@ -293,11 +293,29 @@ def shard_fitness(
     if not weight:
         return reward_fitness, {**pool, **metrics}
     assert isinstance(evaluator, ReferenceForcingEvaluator)
-    dense = reference_term(evaluator.last_reference_logprobs)  # (p,)
+    logprobs = evaluator.last_reference_logprobs
+    dense = reference_term(logprobs)  # (p,)
     fitness = comm.allgather_fitness(local + weight * dense)
     name = "reference_logprob" if settings.reference_signal == "likelihood" else "reference_margin"
     metrics[name] = float(np.nanmean(comm.allgather_fitness(dense)))
+    # The search ranks by reward + weight x tie-breaker: the signal is that ranking's reliability
+    # (the reward's alone stays in `reward_signal`).
+    ranked = ranked_values(values, reference_terms(logprobs, len(idx) * k), weight, k)  # (p, N)
+    gathered_ranked = comm.allgather_fitness(ranked.ravel()).reshape(-1, len(idx))  # (P, N)
+    metrics["signal"] = round(split_half(gathered_ranked, settings.seed, g), 4)
     return fitness, {**pool, **metrics}
+
+
+def ranked_values(values: np.ndarray, terms: np.ndarray, weight: float, k: int) -> np.ndarray:
+    """(p, N) per prompt, what the fitness adds up: the reward ``values`` (p, N) plus ``weight``
+    x the tie-breaker's term of the prompt, the mean over its k samples of ``terms`` (p, N*k);
+    a prompt without a reference adds the reward alone.
+
+    >>> ranked_values(np.array([[1.0, 0.0]]), np.array([[-1.0, np.nan]]), 0.5, 1).tolist()
+    [[0.5, 0.0]]
+    """
+    dense = nan_mean(terms.reshape(values.shape[0], values.shape[1], k))  # (p, N)
+    return values + weight * np.where(np.isfinite(dense), dense, 0.0)
 
 
 def reference_term(logprobs: list[list[list[float]]]) -> np.ndarray:

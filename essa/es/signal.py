@@ -104,12 +104,16 @@ def disagree_share(values: np.ndarray) -> float:
 
 
 def signal_record(fitness: np.ndarray, values: np.ndarray, seed: int, g: int) -> dict[str, float]:
-    """The generation's signal fields for metrics.jsonl: ``signal`` (split-half reliability of
-    the reward's ranking), ``disagree_share`` and ``zero_margin`` (1.0 or 0.0)."""
+    """The generation's signal fields for metrics.jsonl: ``reward_signal`` (split-half
+    reliability of the reward's ranking), ``signal`` (of the ranking the search uses: the same
+    number where the reward alone ranks; with the tie-breaker, essa.es.generation replaces it),
+    ``disagree_share`` and ``zero_margin`` (1.0 or 0.0)."""
     finite = fitness[np.isfinite(fitness)]
     zero = finite.size == 0 or bool(finite.max() - finite.mean() <= 1e-12)
+    reliability = round(split_half(values, seed, g), 4)
     return {
-        "signal": round(split_half(values, seed, g), 4),
+        "signal": reliability,
+        "reward_signal": reliability,
         "disagree_share": round(disagree_share(values), 4),
         "zero_margin": float(zero),
     }
