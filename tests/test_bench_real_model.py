@@ -652,3 +652,43 @@ def test_the_signal_table_reads_each_runs_stop_budget_and_exported_point() -> No
         "| floor | 0.200 | 0.200 | +0.000 (0.000) | - | floor (pre-flight) | 0 | 15% | 0.10 "
         "| SFT adapter |"
     )
+
+
+def test_drift_proof_pools_each_recipe_against_grpo_and_the_shipped_gain() -> None:
+    """bench.studies.drift_proof: per recipe the pooled gain over SFT, its share of the shipped
+    ESSA run's gain, the per-prompt KL ratio to GRPO over the seeds, retention's change, and the
+    target's verdict on the drift arms only."""
+    from bench.studies.drift_proof import parse_arm, run_dir_name, summarise
+    from bench.studies.drift_proof import table as proof_table
+
+    def run(seed: int, gain: float, kl: list[float], key: str = "essa_vs_sft") -> dict:
+        kept = {"items": 64, "change_from_base": -0.25, "change_from_sft": 0.0}
+        drift = {"kl_base": sum(kl) / len(kl), "kl_per_prompt": {"kl_base": kl}, "retention": kept}
+        return {"seed": seed, "run_dir": f"r{seed}", key: {"gain": gain, "se": 0.01},
+                "summary": {"wall_seconds": 500, "drift": drift}}  # fmt: skip
+
+    runs = {
+        "essa": [run(0, 0.04, [0.6, 1.0]), run(1, 0.06, [0.8, 1.2])],
+        "decay 0.05": [run(0, 0.045, [0.2, 0.4]), run(1, 0.046, [0.3, 0.5])],
+        "grpo": [run(s, 0.05, [0.4, 0.4], "grpo_vs_sft") for s in (0, 1)],
+    }
+    s = summarise(runs)
+    assert s["essa"]["share_of_shipped_gain"] == pytest.approx(1.0)
+    assert s["decay 0.05"]["share_of_shipped_gain"] == pytest.approx(0.91)
+    assert s["decay 0.05"]["gain_se"] == pytest.approx(math.sqrt(2) * 0.01 / 2)
+    assert s["essa"]["kl_vs_grpo"]["ratio"] == pytest.approx(3.6 / 1.6)
+    assert s["decay 0.05"]["kl_vs_grpo"]["ratio"] == pytest.approx(1.4 / 1.6)
+    assert s["grpo"]["kl_vs_grpo"] == {"ratio": 1.0, "se": 0.0, "n": 4}
+    rows = proof_table({"tasks": {"chain_sum": s}}).splitlines()[2:]
+    assert rows[0].startswith("| chain_sum | essa | +0.050 (0.007) | 100% | 0.900 | 2.25x ± ")
+    assert rows[1].endswith("| -0.250 / +0.000 (2 x 64) | yes |")  # 91% of the gain at 0.88x
+    assert rows[2].endswith(" | - |") and "| grpo | +0.050 (0.007) |" in rows[2]
+    # a drift arm that keeps the KL but not the gain misses the target
+    runs["decay 0.05"][1]["essa_vs_sft"]["gain"] = 0.03
+    assert proof_table({"tasks": {"t": summarise(runs)}}).splitlines()[3].endswith("| no |")
+    assert parse_arm(
+        "kl=optimizer.drift_budget.kl_budget=0.5,optimizer.drift_budget.decay=0.1"
+    ) == ("kl", ["optimizer.drift_budget.kl_budget=0.5", "optimizer.drift_budget.decay=0.1"])
+    assert run_dir_name("decay 0.05") == "drift-decay_0.05"
+    with pytest.raises(Exception, match="expected NAME=KEY=VALUE"):
+        parse_arm("decay")
