@@ -639,17 +639,19 @@ def test_the_signal_table_reads_each_runs_stop_budget_and_exported_point() -> No
     result = {"tasks": {
         "climbs": {"essa": [run(0.05, patience, 20, 600.0, "mean after generation 10"),
                             run(0.03, None, 40, 900.0, "mean after generation 40")],
-                   "essa_vs_sft": {"gain": 0.04, "se": 0.01}},
+                   "essa_vs_sft": {"gain": 0.04, "se": 0.01},
+                   "grpo_runs": [{"seed": 0, "grpo_vs_sft": {"gain": 0.03, "se": 0.01}}]},
         "floor": {"essa": [run(0.0, floor, 0, 150.0, "SFT adapter")],
                   "essa_vs_sft": {"gain": 0.0, "se": 0.0}},
     }}  # fmt: skip
     rows = signal_table(result, {"climbs": "+0.045 (0.009)"}).splitlines()
     assert rows[2] == (
-        "| climbs | 0.200 | 0.240 | +0.040 (0.010) | +0.045 (0.009) | patience (20); cap (40) "
+        "| climbs | 0.200 | 0.240 | +0.040 (0.010) | +0.045 (0.009) | +0.030 (0.010, seed 0) "
+        "| patience (20); cap (40) "
         "| 20, 40 | 75% | 0.14 | mean after generation 10; mean after generation 40 |"
     )
     assert rows[3] == (
-        "| floor | 0.200 | 0.200 | +0.000 (0.000) | - | floor (pre-flight) | 0 | 15% | 0.10 "
+        "| floor | 0.200 | 0.200 | +0.000 (0.000) | - | - | floor (pre-flight) | 0 | 15% | 0.10 "
         "| SFT adapter |"
     )
 

@@ -407,15 +407,32 @@ def before_gains(name: str | None) -> dict[str, str]:
             for t, v in tasks.items()}  # fmt: skip
 
 
+def grpo_gain_cell(t: dict[str, Any]) -> str:
+    """GRPO's held-out gain over its SFT adapter pooled over its seeds, with its paired SE and
+    the seeds; "-" without GRPO runs.
+
+    >>> grpo_gain_cell({"grpo_runs": [{"seed": 0, "grpo_vs_sft": {"gain": 0.05, "se": 0.02}}]})
+    '+0.050 (0.020, seed 0)'
+    """
+    runs = grpo_runs_of(t)
+    if not runs:
+        return "-"
+    p = pooled(runs, "grpo_vs_sft")
+    seeds = ", ".join(str(r["seed"]) for r in runs)
+    return f"{p['gain']:+.3f} ({p['se']:.3f}, seed{'s' if len(runs) > 1 else ''} {seeds})"
+
+
 def signal_table(result: dict[str, Any], before: dict[str, str]) -> str:
     """One row per task: how the runs read their own signal (docs/signal.md), over seeds:
     why each stopped, generations made, the share of the budget used (median), the signal
     (median of the runs' medians), the exported points, and ESSA - SFT on the test split
-    pooled over seeds beside ``before`` (the same task in an earlier result)."""
+    pooled over seeds beside ``before`` (the same task in an earlier result) and GRPO's gain
+    over the same SFT adapters at equal wall-clock (on the GRPO seeds)."""
     lines = [
-        "| task | SFT | ESSA | ESSA - SFT (paired SE) | before | stop (per seed) "
-        "| generations | budget used (median) | signal (median) | exported (per seed) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| task | SFT | ESSA | ESSA - SFT (paired SE) | before | GRPO - SFT (paired SE, seeds) "
+        "| stop (per seed) | generations | budget used (median) | signal (median) "
+        "| exported (per seed) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for task, t in result["tasks"].items():
         cells = [watch_cells(r) for r in t["essa"]]  # signal, exported, stop, used
@@ -426,7 +443,7 @@ def signal_table(result: dict[str, Any], before: dict[str, str]) -> str:
         lines.append(
             f"| {task} | {mean_accuracy(t['essa'], 'sft'):.3f} | "
             f"{mean_accuracy(t['essa'], 'final'):.3f} | {p['gain']:+.3f} ({p['se']:.3f}) | "
-            f"{before.get(task, '-')} | {'; '.join(c[2] for c in cells)} | "
+            f"{before.get(task, '-')} | {grpo_gain_cell(t)} | {'; '.join(c[2] for c in cells)} | "
             f"{', '.join(str(r['summary']['generations']) for r in t['essa'])} | "
             f"{f'{statistics.median(used):.0%}' if used else '-'} | "
             f"{f'{statistics.median(signals):.2f}' if signals else '-'} | "
