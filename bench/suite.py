@@ -91,6 +91,7 @@ STUDIES: list[tuple[str, list[str]]] = [
     ("label_free", ["--seeds", "0", "1", "2"]),  # TTRL's vote and RLSC vs labels
     ("tools", ["--seeds", "0", "1", "2"]),  # text-only vs tool-integrated ESSA, and GRPO
     ("drift_budget", ["--seeds", "0", "1", "2"]),  # the search's drift budget on and off
+    ("drift_proof", ["--seeds", "0", "1", "2"]),  # ESSA with and without a drift control vs GRPO
     ("tie_breaker", []),  # the reference tie-breaker along the scaled line, per task
     ("retention_tasks", []),  # the base model's score on candidate retention tasks (~10 min)
     ("mutation", ["--per-module", "5", "--seed", "0"]),  # do the tests catch injected bugs
