@@ -156,9 +156,10 @@ def test_a_lucky_point_within_its_se_is_not_exported() -> None:
     assert "paired SE" in exported["why"]
 
 
-def test_the_best_validated_point_is_exported_not_the_last() -> None:
+@pytest.mark.parametrize("export", ["latest", "best"])
+def test_an_earlier_point_better_beyond_its_se_is_exported_not_the_last(export: str) -> None:
     sft = [0.0] * 50 + [1.0] * 50
-    w = _watch(patience=0)
+    w = _watch(patience=0, export=export)
     w.observe("SFT adapter", -1, np.zeros(2), sft)
     w.start_search()
     w.observe("g10", 9, np.array([1.0, 0.0]), [1.0] * 80 + [0.0] * 20)  # +0.3
@@ -167,6 +168,39 @@ def test_the_best_validated_point_is_exported_not_the_last() -> None:
     vector, exported = w.choice(np.array([3.0, 0.0]))
     assert exported["point"] == "g20" and vector.tolist() == [2.0, 0.0]
     assert exported["val_gain"] == pytest.approx(0.4)
+
+
+def _climb(export: str) -> tuple[np.ndarray, dict]:
+    """A slow climb read through noisy checks: g20 reads highest, g30 a little lower on other
+    items (within their paired SE), both well above the SFT adapter."""
+    w = _watch(patience=0, export=export)
+    w.observe("SFT adapter", -1, np.zeros(1), [0.0] * 60 + [1.0] * 40)
+    w.start_search()
+    w.observe("g10", 9, np.array([1.0]), [1.0] * 50 + [0.0] * 50)  # +0.10
+    w.observe("g20", 19, np.array([2.0]), [1.0] * 66 + [0.0] * 34)  # +0.26, the best
+    w.observe("g30", 29, np.array([3.0]), [0.0] * 10 + [1.0] * 63 + [0.0] * 27)  # +0.23
+    return w.choice(np.array([3.0]))
+
+
+def test_latest_exports_the_last_validated_point_when_no_earlier_one_is_clearly_better() -> None:
+    vector, exported = _climb("latest")
+    assert exported["point"] == "g30" and vector.tolist() == [3.0]
+    assert exported["why"].startswith("the latest point that beats the SFT adapter")
+    vector, exported = _climb("best")
+    assert exported["point"] == "g20" and vector.tolist() == [2.0]
+    assert exported["why"].startswith("the best validation score (0.660)")
+
+
+def test_a_later_point_within_its_se_of_the_sft_adapter_is_not_the_latest() -> None:
+    """The latest point is the last one that beats the SFT adapter beyond its SE: a last check
+    that falls back to the SFT adapter's level hands the export to the one before it."""
+    w = _watch(patience=0)
+    w.observe("SFT adapter", -1, np.zeros(1), [0.0] * 60 + [1.0] * 40)
+    w.start_search()
+    w.observe("g10", 9, np.array([1.0]), [1.0] * 60 + [0.0] * 40)  # +0.20
+    w.observe("g20", 19, np.array([2.0]), [1.0] * 2 + [0.0] * 58 + [1.0] * 40)  # +0.02
+    vector, exported = w.choice(np.array([2.0]))
+    assert exported["point"] == "g10" and vector.tolist() == [1.0]
 
 
 def test_patience_stops_after_checks_without_a_new_best() -> None:

@@ -32,6 +32,10 @@ class RunConfig:
     # A start at the floor or ceiling of the validation score (and no tie-breaker that ranks
     # there): keep_start exports the start without searching; search searches anyway.
     on_no_signal: Literal["keep_start", "search"] = "keep_start"
+    # The exported point, among the validated points that beat the SFT adapter by more than
+    # their paired SE: latest (the last such point, unless an earlier one beats it by more than
+    # their paired SE on validation) or best (the highest validation score of them).
+    export: Literal["latest", "best"] = "latest"
     show_progress: bool = True
     # Experiment trackers, any subset (none by default; [track] extra), all offline-safe.
     report_to: tuple[Literal["tensorboard", "wandb", "trackio"], ...] = ()

@@ -3,9 +3,12 @@
 The run's validation split (essa.data.task.Task.val, disjoint from the test split) scores the
 SFT adapter, the search's start and the distribution mean at every check. From those scores:
 
-* **the exported point** is the best-scoring of the start and the checked means among those
-  that beat the SFT adapter by more than one paired standard error on validation; where none
-  does, the SFT adapter itself. A run never moves off its SFT adapter on a lucky draw.
+* **the exported point** is chosen among the start and the checked means that beat the SFT
+  adapter by more than one paired standard error on validation (where none does, the SFT
+  adapter itself: a run never moves off its SFT adapter on a lucky draw). ``run.export:
+  latest`` takes the last of them unless an earlier one beats it by more than their paired
+  SE; ``best`` takes the highest validation score, which on a slow climb read through noisy
+  checks is most often an early, lucky one (docs/signal.md).
 * **the stop**: ``run.patience`` checks in a row without a new best validation score end the
   search, and so does a check without one whose generations had no signal (the median
   split-half reliability of the last ``run.signal_window`` generations below
@@ -51,6 +54,20 @@ def paired_gain(scores: Sequence[float], reference: Sequence[float]) -> tuple[fl
     return float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))
 
 
+def clearly_better(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether validated point ``a`` beats ``b`` by more than their paired SE on the same
+    validation items (a point recorded without its per-item scores never does).
+
+    >>> a, b = {"scores": [1.0] * 9 + [0.0]}, {"scores": [0.0] * 9 + [1.0]}
+    >>> clearly_better(a, b), clearly_better(b, a)
+    (True, False)
+    """
+    if not (a.get("scores") and b.get("scores")):
+        return False
+    gain, se = paired_gain(a["scores"], b["scores"])
+    return gain > 0 and gain > se
+
+
 def at_an_edge(scores: Sequence[float]) -> str | None:
     """ "floor" or "ceiling" where per-item validation ``scores`` are there (the pre-flight's
     thresholds), else None.
@@ -73,10 +90,11 @@ class WatchSettings:
     min_signal: float = 0.1  # a check without a new best stops the run below this signal
     signal_window: int = 10  # generations whose median signal a check reads
     on_no_signal: str = "keep_start"  # keep_start | search
+    export: str = "latest"  # latest | best: which validated point is exported
 
     @classmethod
     def of(cls, run: RunConfig) -> WatchSettings:
-        return cls(run.patience, run.min_signal, run.signal_window, run.on_no_signal)
+        return cls(run.patience, run.min_signal, run.signal_window, run.on_no_signal, run.export)
 
 
 @dataclass(frozen=True)
@@ -129,7 +147,8 @@ class Watch:
         self.settings = settings
         self.state: dict[str, Any] = state or {
             "reference": None,  # the SFT adapter's per-item validation scores
-            "points": [],  # every validated point: name, generation, score, gain, se, vector
+            # every validated point: name, generation, score, gain, se, vector, per-item scores
+            "points": [],
             "chosen": None,  # index in points of the exported point (None: the SFT adapter)
             "best": None,  # the best validation score so far (the SFT adapter's included)
             "since_best": 0,  # checks since the best score last rose
@@ -154,20 +173,33 @@ class Watch:
             "gain": gain,
             "se": se,
             "vector": np.asarray(vector, dtype=np.float64).tolist(),
+            "scores": [float(x) for x in scores],
         }
         s["points"].append(point)
         improved = s["best"] is None or score > s["best"]
         s["best"] = score if improved else s["best"]
         s["since_best"] = 0 if improved else s["since_best"] + 1
-        if self._beats_reference(point) and (
-            s["chosen"] is None or score > s["points"][s["chosen"]]["score"]
-        ):
-            s["chosen"] = len(s["points"]) - 1
+        s["chosen"] = self._choose()
         return {"val_accuracy": score, "val_gain": gain, "val_se": se, "val_best": s["best"]}
 
     @staticmethod
     def _beats_reference(point: dict[str, Any]) -> bool:
         return point["gain"] > 0 and point["gain"] > point["se"]
+
+    def _choose(self) -> int | None:
+        """The index of the point to export (None: the SFT adapter), by ``run.export``."""
+        points = self.state["points"]
+        valid = [i for i, p in enumerate(points) if self._beats_reference(p)]
+        if not valid:
+            return None
+        if self.settings.export == "best":  # the first of the highest scores
+            return max(valid, key=lambda i: points[i]["score"])
+        # The search climbs on its training reward, so its last validated point is the one to
+        # keep unless validation shows an earlier one is better beyond its noise: the highest
+        # of a few noisy checks of a slow climb is an early, lucky one more often than not.
+        latest = valid[-1]
+        better = [i for i in valid[:-1] if clearly_better(points[i], points[latest])]
+        return max(better, key=lambda i: points[i]["score"]) if better else latest
 
     def start_search(self) -> None:
         """The points before the search (the SFT adapter, the scaled start) set the best score;
@@ -274,13 +306,36 @@ class Watch:
         return self.state["stop"] is not None
 
     # ------------------------------------------------------------------ the export
+    def _why(self, p: dict[str, Any]) -> str:
+        """Why point ``p`` (the chosen one) is exported, in the summary's words."""
+        against = f"+{p['gain']:.3f}, SE {p['se']:.3f} over the SFT adapter"
+        if self.settings.export == "best":
+            return (
+                f"the best validation score ({p['score']:.3f}) among the points that beat the "
+                f"SFT adapter by more than their paired SE ({against})"
+            )
+        points = self.state["points"]
+        latest = [q for q in points if self._beats_reference(q)][-1]
+        if latest is p:
+            return (
+                f"the latest point that beats the SFT adapter by more than its paired SE "
+                f"({against}; validation {p['score']:.3f}), no earlier one better beyond their "
+                "paired SE"
+            )
+        gain, se = paired_gain(p["scores"], latest["scores"])
+        return (
+            f"it beats the latest validated point ({latest['name']}) by +{gain:.3f} (paired SE "
+            f"{se:.3f}) on validation ({against})"
+        )
+
     def choice(self, fallback: AdapterVector) -> tuple[AdapterVector, dict[str, Any]]:
         """The exported vector and the summary's account of it. Without validation items
         (data.val_size 0) the run exports ``fallback`` (the search's mean) unchecked."""
         s = self.state
         if not s["points"] or not s["reference"]:
             return np.asarray(fallback), {"point": "search mean", "why": "no validation split"}
-        checked = [{k: v for k, v in p.items() if k != "vector"} for p in s["points"]]
+        checked = [{k: v for k, v in p.items() if k not in ("vector", "scores")}
+                   for p in s["points"]]  # fmt: skip
         if s["chosen"] is None:
             sft = s["points"][0]
             why = (
@@ -294,10 +349,7 @@ class Watch:
                 "val_accuracy": sft["score"], "why": why, "checked": checked,
             }  # fmt: skip
         p = s["points"][s["chosen"]]
-        why = (
-            f"the best validation score ({p['score']:.3f}) among the points that beat the SFT "
-            f"adapter by more than their paired SE (+{p['gain']:.3f}, SE {p['se']:.3f})"
-        )
+        why = self._why(p)
         return np.asarray(p["vector"]), {
             "point": p["name"], "generation": p["generation"], "val_accuracy": p["score"],
             "val_gain": p["gain"], "val_se": p["se"], "why": why, "checked": checked,
