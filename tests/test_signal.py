@@ -216,6 +216,29 @@ def test_patience_stops_after_checks_without_a_new_best() -> None:
     assert reason is not None and "not improved for 2 checks" in reason and w.stopped
 
 
+def test_patience_counts_from_the_point_the_search_starts_from() -> None:
+    """A scaled start that read higher on validation but did not beat the SFT adapter beyond
+    its SE is not where the search starts: checks that improve on the SFT adapter are new
+    bests, though below the scaled start's reading."""
+    w = _watch(patience=2, min_signal=0.0)
+    w.observe("SFT adapter", -1, np.zeros(1), [0.0] * 60 + [1.0] * 40)  # 0.40
+    w.observe("SFT adapter x1.5", -1, np.ones(1), [0.0] * 56 + [1.0] * 44)  # 0.44, not validated
+    assert not w.validated()
+    w.start_search(0.40)
+    w.observe("g10", 9, np.zeros(1), [0.0] * 59 + [1.0] * 41)  # 0.41
+    assert w.stop_after_check(9) is None
+    w.observe("g20", 19, np.zeros(1), [0.0] * 58 + [1.0] * 42)  # 0.42
+    assert w.stop_after_check(19) is None and w.state["best"] == pytest.approx(0.42)
+    without = _watch(patience=2, min_signal=0.0)  # the bar left at the best reading so far
+    for name, scores in (("SFT adapter", [0.0] * 60 + [1.0] * 40),
+                         ("SFT adapter x1.5", [0.0] * 56 + [1.0] * 44)):  # fmt: skip
+        without.observe(name, -1, np.zeros(1), scores)
+    without.start_search()
+    without.observe("g10", 9, np.zeros(1), [0.0] * 59 + [1.0] * 41)
+    without.observe("g20", 19, np.zeros(1), [0.0] * 58 + [1.0] * 42)
+    assert without.stop_after_check(19) is not None
+
+
 def _check_after(patience: int, signals: tuple[float, ...]) -> str | None:
     """A check that brings no new best after four generations with ``signals``: the stop."""
     w = _watch(patience=patience, min_signal=0.1, signal_window=4)

@@ -236,5 +236,5 @@ def watch_start(
     line = watch.preflight(start_scores, dense_informative(reward, state))
     if line is not None:
         h.say(line)
-    watch.start_search()
+    watch.start_search(float(np.mean(start_scores)))
     return watch.state

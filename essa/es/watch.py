@@ -201,9 +201,13 @@ class Watch:
         better = [i for i in valid[:-1] if clearly_better(points[i], points[latest])]
         return max(better, key=lambda i: points[i]["score"]) if better else latest
 
-    def start_search(self) -> None:
-        """The points before the search (the SFT adapter, the scaled start) set the best score;
-        patience counts the search's own checks from here."""
+    def start_search(self, start: float | None = None) -> None:
+        """Patience counts the search's own checks from here, against ``start``: the validation
+        score of the point the search starts from (None: the best point so far). A scaled start
+        the search does not start from (it did not beat the SFT adapter beyond its SE) is no
+        bar for the search: its reading is as noisy as the search's own checks."""
+        if start is not None:
+            self.state["best"] = float(start)
         self.state["since_best"] = 0
 
     def validated(self, index: int = -1) -> bool:
