@@ -219,10 +219,11 @@ def test_patience_stops_after_checks_without_a_new_best() -> None:
 def test_patience_counts_from_the_point_the_search_starts_from() -> None:
     """A scaled start that read higher on validation but did not beat the SFT adapter beyond
     its SE is not where the search starts: checks that improve on the SFT adapter are new
-    bests, though below the scaled start's reading."""
+    bests, though not above the scaled start's reading."""
     w = _watch(patience=2, min_signal=0.0)
     w.observe("SFT adapter", -1, np.zeros(1), [0.0] * 60 + [1.0] * 40)  # 0.40
-    w.observe("SFT adapter x1.5", -1, np.ones(1), [0.0] * 56 + [1.0] * 44)  # 0.44, not validated
+    scaled = [1.0] * 5 + [0.0] * 58 + [1.0] * 37  # 0.42: 5 items up, 3 down, within its SE
+    w.observe("SFT adapter x1.5", -1, np.ones(1), scaled)
     assert not w.validated()
     w.start_search(0.40)
     w.observe("g10", 9, np.zeros(1), [0.0] * 59 + [1.0] * 41)  # 0.41
@@ -231,7 +232,7 @@ def test_patience_counts_from_the_point_the_search_starts_from() -> None:
     assert w.stop_after_check(19) is None and w.state["best"] == pytest.approx(0.42)
     without = _watch(patience=2, min_signal=0.0)  # the bar left at the best reading so far
     for name, scores in (("SFT adapter", [0.0] * 60 + [1.0] * 40),
-                         ("SFT adapter x1.5", [0.0] * 56 + [1.0] * 44)):  # fmt: skip
+                         ("SFT adapter x1.5", scaled)):  # fmt: skip
         without.observe(name, -1, np.zeros(1), scores)
     without.start_search()
     without.observe("g10", 9, np.zeros(1), [0.0] * 59 + [1.0] * 41)
