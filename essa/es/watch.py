@@ -186,10 +186,14 @@ class Watch:
     def _beats_reference(point: dict[str, Any]) -> bool:
         return point["gain"] > 0 and point["gain"] > point["se"]
 
+    def _valid(self) -> list[int]:
+        """Indices of the points that beat the SFT adapter by more than their paired SE."""
+        return [i for i, p in enumerate(self.state["points"]) if self._beats_reference(p)]
+
     def _choose(self) -> int | None:
         """The index of the point to export (None: the SFT adapter), by ``run.export``."""
         points = self.state["points"]
-        valid = [i for i, p in enumerate(points) if self._beats_reference(p)]
+        valid = self._valid()
         if not valid:
             return None
         if self.settings.export == "best":  # the first of the highest scores
@@ -318,8 +322,7 @@ class Watch:
                 f"the best validation score ({p['score']:.3f}) among the points that beat the "
                 f"SFT adapter by more than their paired SE ({against})"
             )
-        points = self.state["points"]
-        latest = [q for q in points if self._beats_reference(q)][-1]
+        latest = self.state["points"][self._valid()[-1]]
         if latest is p:
             return (
                 f"the latest point that beats the SFT adapter by more than its paired SE "
