@@ -391,8 +391,17 @@ def essa_seed(
         "essa_vs_scale": paired(scores["final"], scores["scale"]) if "scale" in scores else None,
         "margin_prompts_median": statistics.median(margins) if margins else None,
         "signal_median": statistics.median(signals) if signals else None,
+        "ceiling": ceiling(run_dir),
         "scores": scores,
     }
+
+
+def ceiling(run_dir: Path) -> int | None:
+    """The run's generation ceiling (run.generations of the config it wrote); None without one."""
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        return None
+    return (yaml.safe_load(path.read_text()).get("run") or {}).get("generations")
 
 
 def grpo_command(

@@ -322,16 +322,18 @@ def check_cell(scale_baseline: dict[str, Any] | None) -> str:
     return "kept (tie)" if check["reward_with"] == check["reward_without"] else "kept"
 
 
-def stop_kind(summary: dict[str, Any]) -> str:
+def stop_kind(summary: dict[str, Any], ceiling: int | None = None) -> str:
     """Why a run's search ended, in a word or two: the pre-flight's floor or ceiling, the
-    patience or no-signal stop after a check (essa.es.watch), else the generation cap or the
-    budget.
+    patience or no-signal stop after a check (essa.es.watch), else the generation cap
+    (``ceiling``: the run's run.generations; without it, the plan's count) or the budget.
 
     >>> stop_kind({"stop_reason": "stopping after generation 12: validation has not improved "
     ...            "for 2 checks (best 0.310, run.patience 2)", "generations": 12})
     'patience (12)'
     >>> stop_kind({"stop_reason": None, "generations": 40, "plan": {"generations": 40}})
     'cap (40)'
+    >>> stop_kind({"stop_reason": None, "generations": 39, "plan": {"generations": 24}}, 40)
+    'budget (39)'
     """
     reason, made = summary.get("stop_reason") or "", summary["generations"]
     if reason.startswith("start at the ceiling"):
@@ -344,8 +346,8 @@ def stop_kind(summary: dict[str, Any]) -> str:
         return f"no signal ({made})"
     if reason:
         return reason.split(":")[0]
-    planned = (summary.get("plan") or {}).get("generations")
-    return f"cap ({made})" if planned is None or made >= planned else f"budget ({made})"
+    cap = ceiling if ceiling is not None else (summary.get("plan") or {}).get("generations")
+    return f"cap ({made})" if cap is None or made >= cap else f"budget ({made})"
 
 
 def watch_cells(record: dict[str, Any]) -> list[str]:
@@ -361,7 +363,7 @@ def watch_cells(record: dict[str, Any]) -> list[str]:
     s = record["summary"]
     signal = record.get("signal_median")
     exported = (s.get("exported") or {}).get("point", "-")
-    stop = "-" if "exported" not in s else stop_kind(s)
+    stop = "-" if "exported" not in s else stop_kind(s, record.get("ceiling"))
     budget = (s.get("plan") or {}).get("budget")
     used = f"{s['wall_seconds'] / budget:.0%}" if budget else "-"
     return ["-" if signal is None else f"{signal:.2f}", exported, stop, used]
