@@ -179,7 +179,7 @@ class Checks:
         search point that no longer beats the SFT adapter on validation gives way to the SFT
         adapter, held on its own path."""
         from essa.es.kl_promise import held_account
-        from essa.es.watch import paired_gain
+        from essa.es.watch import beyond_se, paired_gain
 
         assert self.promise is not None
         searched = bool(np.any(vector))  # zeros: the SFT adapter itself
@@ -189,7 +189,7 @@ class Checks:
             scores = self.validate(held.vector, "held to the KL budget")
             val = (account.get("val_accuracy", float("nan")), float(np.mean(scores)))
             gain, se = paired_gain(scores, watch.state["reference"])
-            if not (gain > 0 and gain > se):  # holding took back what it had gained
+            if not beyond_se(gain, se):  # holding took back what it had gained
                 sft = np.zeros_like(np.asarray(vector))
                 why = (f"held to the KL budget the point no longer beat the SFT adapter on "
                        f"validation (+{gain:.3f}, SE {se:.3f})")  # fmt: skip

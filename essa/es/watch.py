@@ -54,6 +54,17 @@ def paired_gain(scores: Sequence[float], reference: Sequence[float]) -> tuple[fl
     return float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))
 
 
+def beyond_se(gain: float, se: float) -> bool:
+    """Whether a paired gain is positive and larger than its standard error: the one test
+    every choice on validation makes (off the SFT adapter, between two points, after the KL
+    budget's hold).
+
+    >>> beyond_se(0.03, 0.02), beyond_se(0.01, 0.02), beyond_se(0.0, 0.0)
+    (True, False, False)
+    """
+    return gain > 0 and gain > se
+
+
 def clearly_better(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether validated point ``a`` beats ``b`` by more than their paired SE on the same
     validation items (a point recorded without its per-item scores never does).
@@ -64,8 +75,7 @@ def clearly_better(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """
     if not (a.get("scores") and b.get("scores")):
         return False
-    gain, se = paired_gain(a["scores"], b["scores"])
-    return gain > 0 and gain > se
+    return beyond_se(*paired_gain(a["scores"], b["scores"]))
 
 
 def at_an_edge(scores: Sequence[float]) -> str | None:
@@ -150,7 +160,7 @@ class Watch:
             # every validated point: name, generation, score, gain, se, vector, per-item scores
             "points": [],
             "chosen": None,  # index in points of the exported point (None: the SFT adapter)
-            "best": None,  # the best validation score so far (the SFT adapter's included)
+            "best": None,  # the best validation score so far (from the search's start on)
             "since_best": 0,  # checks since the best score last rose
             "signals": [],  # the signal of every generation
             "stop": None,  # why the search stopped early (None: it did not)
@@ -184,7 +194,7 @@ class Watch:
 
     @staticmethod
     def _beats_reference(point: dict[str, Any]) -> bool:
-        return point["gain"] > 0 and point["gain"] > point["se"]
+        return beyond_se(point["gain"], point["se"])
 
     def _valid(self) -> list[int]:
         """Indices of the points that beat the SFT adapter by more than their paired SE."""
