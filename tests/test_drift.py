@@ -265,6 +265,40 @@ def test_a_reasoning_gym_retention_task_is_graded_by_its_own_scorer() -> None:
     assert all(float(s or 0.0) < 1.0 for s in grader(wrong, answers, prompts))
 
 
+def test_the_report_reads_what_was_written_before_the_search(tiny_model_dir: Path) -> None:
+    """warm() writes the base's off-task continuations and the base's and the SFT adapter's
+    retention answers before the search: the final report then generates the tuned model
+    alone, and its figures are those of a report that generated everything itself (the
+    tiny model's greedy answers do not depend on which rows share a batch here)."""
+    from essa.drift.report import tuned_seconds, warm
+
+    base, tokenizer, adapter = svd_setup(tiny_model_dir)
+    generated: list[tuple[str, ...]] = []  # the models of each generate call
+
+    class Counting(PopulationModels):
+        def generate(self, prompts, gen, names, **kwargs):  # type: ignore[no-untyped-def]
+            generated.append(tuple(names))
+            return super().generate(prompts, gen, names, **kwargs)
+
+    s = settings(micro_batch_size=4, prompts=4, tokens=4, items=3, samples=0)
+    vector = 0.8 * adapter.stds() * np.random.default_rng(0).standard_normal(adapter.dim)
+    cache = ContinuationCache()
+    warmed = warm(s, Counting(base, tokenizer, adapter, np.zeros(adapter.dim), 4), tokenizer, cache)
+    assert generated == [("base",), ("base", "sft")]  # continuations, then retention's two
+    assert warmed["retention_models"] == 2 and warmed["retention"] > 0
+    generated.clear()
+    final = measure(s, Counting(base, tokenizer, adapter, vector, 4), tokenizer, [], None, None,
+                    cache)  # fmt: skip
+    assert generated == [("tuned",)]  # the tuned model's retention, nothing else
+    uncached = measure(s, PopulationModels(base, tokenizer, adapter, vector, 4), tokenizer, [], None)
+    assert final == uncached
+    assert final["retention"]["items"] == 3 and "change_from_sft" in final["retention"]
+    # The forecast prices the tuned model's share of what was measured.
+    forecast = tuned_seconds(s, warmed, row_seconds=0.0, test_items=10)
+    expected = warmed["retention"] / 2 + warmed["continuations"]
+    assert forecast == pytest.approx(expected, abs=0.06)
+
+
 def test_retention_generates_past_a_short_task_length(tiny_model_dir: Path) -> None:
     """A 2-token task still gets retention_tokens for retention (another task, maybe worded
     answers); the run's own length applies when it is the longer."""

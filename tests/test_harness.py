@@ -141,6 +141,41 @@ def test_budget_stops_before_a_step_that_would_end_past_it(
     assert h.elapsed == pytest.approx(30.0) and h.elapsed <= 35
 
 
+def test_the_budget_keeps_the_passes_after_the_loop_inside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of 10 s on a 65 s budget with 20 s kept for the final pass and the drift report:
+    the loop stops after 4 steps (40 s; a 5th would leave 5 s for 20 s of passes), says so
+    with the seconds kept, and the summary records why it stopped (a fake clock, no sleeps)."""
+    import essa.harness.run
+
+    clock = [1000.0]
+    monkeypatch.setattr(essa.harness.run.time, "perf_counter", lambda: clock[0])
+    cfg = _config("run.generations=10", "run.max_wall_seconds=65")
+    h = Harness(cfg, tmp_path, resume=False, console=None, comm=get_comm("local"))
+    h.end_reserve = 20.0
+    done = []
+    for step in h.steps(0, show=lambda record: {}):
+        clock[0] += 10.0
+        step.finish({"generation": step.index}, lambda: None)
+        done.append(step.index)
+    assert done == [0, 1, 2, 3]
+    assert h.elapsed + h.end_reserve <= 65
+    reason = "would be passed by the next generation and the passes after the generations"
+    assert reason in (h.stop_reason or "") and "(20 s kept for them)" in (h.stop_reason or "")
+    summary = h.summary(baseline=0.0, final=0.0, steps=4, adapter_dir=tmp_path, stop_reason=None)
+    assert summary["stop_reason"] == h.stop_reason
+    kept = h.summary(baseline=0.0, final=0.0, steps=4, adapter_dir=tmp_path, stop_reason="mine")
+    assert kept["stop_reason"] == "mine"  # the recipe's own reason comes first
+
+
+def test_a_resumed_run_keeps_the_seconds_it_reserved(tmp_path: Path) -> None:
+    cfg = _config("run.generations=3")
+    h = Harness(cfg, tmp_path, resume=False, console=None, comm=get_comm("local"))
+    h.restore({"elapsed": 12.0, "end_reserve": 7.5}, done=1)
+    assert h.end_reserve == 7.5 and h.elapsed >= 12.0
+
+
 def test_checkpoint_cadence_saves_every_nth_step_and_the_last(tmp_path: Path) -> None:
     cfg = _config("run.generations=5")
     h = Harness(cfg, tmp_path, resume=False, console=None, comm=get_comm("local"))

@@ -111,6 +111,9 @@ class ContinuationCache:
     """
 
     entries: dict[ContinuationKey, tuple[Any, list[str]]] = field(default_factory=dict)
+    # Texts of the models the search does not move (the base and the SFT adapter): retention's
+    # greedy answers, written once per run (essa.drift.report.warm) and read by the final report.
+    texts: dict[tuple[Any, ...], tuple[Any, list[str]]] = field(default_factory=dict)
 
     def continuations(self, models: Models, prompts: Sequence[str], tokens: int) -> list[str]:
         key = (id(models.model), tuple(prompts), tokens, models.micro_batch_size)
@@ -120,6 +123,26 @@ class ContinuationCache:
         texts = base_continuations(models, prompts, tokens)
         self.entries[key] = (models.model, list(texts))
         return texts
+
+    def fixed_texts(
+        self, models: Models, key: tuple[Any, ...], names: Sequence[str], make: Any
+    ) -> dict[str, list[str]]:
+        """The texts of ``names`` (models the run does not train) under ``key``: held ones
+        from the cache, the others from ``make(missing names)``, then held. The same rule as
+        the continuations: the same model object and micro-batch size, or made afresh."""
+        out: dict[str, list[str]] = {}
+        for name in names:
+            held = self.texts.get((id(models.model), models.micro_batch_size, name, *key))
+            if held is not None and held[0] is models.model:
+                out[name] = list(held[1])
+        missing = [n for n in names if n not in out]
+        if missing:
+            made = make(missing)
+            for name in missing:
+                entry = (id(models.model), models.micro_batch_size, name, *key)
+                self.texts[entry] = (models.model, list(made[name]))
+                out[name] = made[name]
+        return out
 
 
 @torch.no_grad()

@@ -8,7 +8,9 @@ The report reads its config sections through :class:`DriftSettings`, never the w
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+import functools
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +20,7 @@ from essa.config import DataConfig, DriftConfig, GenerationConfig, PythonToolCon
 from essa.drift.models import Models, PopulationModels
 from essa.drift.offtask import ContinuationCache, offtask_kl, rendered_offtask_prompts
 from essa.drift.retention import (
+    fixed_answers,
     retention,
     retention_length,
     retention_source,
@@ -88,12 +91,67 @@ def _model_parts(
     if source is not None:
         examples, grader = retention_task(source, d.items)
         gen = replace(s.generation, max_new_tokens=retention_length(d, s.generation))
-        report["retention"] = retention(models, examples, render(examples), gen, source, grader)
+        prompts = render(examples)
+        report["retention"] = retention(models, examples, prompts, gen, source, grader, cache)
     items = list(test[: d.items])
     if d.samples >= 2 and items:
         gen = replace(s.generation, temperature=d.temperature)
         report["samples"] = sampled(models, items, render(items), gen, d.samples, reward, s.seed)
     return report
+
+
+def warm(
+    s: DriftSettings, models: Models, tokenizer: Any, cache: ContinuationCache
+) -> dict[str, float]:
+    """Write into ``cache`` the parts of the final report the search cannot change, before it
+    starts: the base model's off-task continuations and the base's and the SFT adapter's
+    retention answers. The final report then generates the tuned model's part alone, so the
+    time after the search is short and known (:func:`tuned_seconds`). Returns the seconds each
+    part took ({} when the report has no model part)."""
+    from essa.data.task import render_prompts
+
+    d, seconds = s.drift, {}
+    if d.prompts and "base" in models.names:
+        start = time.perf_counter()
+        prompts = rendered_offtask_prompts(s.data, d.prompts, tokenizer)
+        with _eval_mode(models.model):
+            cache.continuations(models, prompts, d.tokens)
+        seconds["continuations"] = time.perf_counter() - start
+    source = retention_source(d, s.data)
+    if source is not None:
+        start = time.perf_counter()
+        examples, _ = retention_task(source, d.items)
+        prompts = render_prompts(examples, s.data.template, tokenizer, s.data.system_prompt)
+        gen = replace(s.generation, max_new_tokens=retention_length(d, s.generation))
+        with _eval_mode(models.model):
+            held = fixed_answers(replace(models, tools=s.tools), prompts, gen, cache)
+        seconds["retention"] = time.perf_counter() - start
+        seconds["retention_models"] = len(held)
+    return seconds
+
+
+def tuned_seconds(
+    s: DriftSettings, warmed: dict[str, float], row_seconds: float, test_items: int
+) -> float:
+    """The final report's seconds, forecast before the search: the tuned model's retention at
+    the warmed models' rate per model, pass@K at the held-out pass's rate per row
+    (``row_seconds``: the same prompts, sampled), and its off-task KL forward at the
+    continuations' cost (a teacher-forced pass of each model, priced as the generation).
+
+    >>> tuned_seconds(_settings(), {"retention": 20.0, "retention_models": 2,
+    ...                             "continuations": 3.0}, 0.05, 500)
+    25.8
+    """
+    d = s.drift
+    per_model = warmed.get("retention", 0.0) / max(1, int(warmed.get("retention_models", 0)))
+    samples = min(d.items, test_items) * d.samples * row_seconds if d.samples >= 2 else 0.0
+    kl = warmed.get("continuations", 0.0)
+    return round(per_model + samples + kl, 1)
+
+
+def _settings() -> DriftSettings:
+    """A run's drift settings at the defaults (the doctests')."""
+    return DriftSettings(DriftConfig(), DataConfig(), GenerationConfig(), 64, 0)
 
 
 def _kl_part(
@@ -203,6 +261,26 @@ def adapter_report(
     if unchanged:
         h.say("drift: the SFT adapter exported unchanged; retention and pass@K not measured")
     return report
+
+
+def adapter_warm(
+    s: DriftSettings,
+    cache: ContinuationCache,
+    h: Harness,
+    model: Any,
+    tokenizer: Any,
+    adapter: SVDAdapter,
+) -> Callable[[float, int], float]:
+    """ESSA's :func:`warm` (rank 0, which writes the report, before the search; ``model``
+    None under vLLM: nothing); the report's forecast, (seconds of a held-out row, items) ->
+    seconds (:func:`tuned_seconds`)."""
+    warmed: dict[str, float] = {}
+    if model is not None and h.is_root:
+        zeros = np.zeros(adapter.dim)  # the tuned row is not generated here
+        models = PopulationModels(model, tokenizer, adapter, zeros, s.micro_batch_size)
+        with h.phase("drift baseline"):
+            warmed = warm(s, models, tokenizer, cache)
+    return functools.partial(tuned_seconds, s, warmed)
 
 
 def adapter_pass_figures(

@@ -15,7 +15,10 @@ import numpy as np
 from essa import seeding
 from essa.config import DataConfig, DriftConfig, GenerationConfig
 from essa.drift.models import Models
+from essa.drift.offtask import ContinuationCache
 from essa.types import Example
+
+FIXED_MODELS = ("base", "sft")  # what the search does not move
 
 
 def retention_source(d: DriftConfig, data: DataConfig) -> str | None:
@@ -72,11 +75,16 @@ def retention(
     gen: GenerationConfig,
     source: str,
     reward: Any,
+    cache: ContinuationCache | None = None,
 ) -> dict[str, Any]:
     """Greedy accuracy of each model on ``examples`` (the share ``reward`` gives full credit)
-    and the tuned one's changes."""
+    and the tuned one's changes. ``cache``: the base's and the SFT adapter's answers, written
+    before the search (:func:`fixed_answers`)."""
     answers = [e.answer for e in examples]
-    texts = models.generate(prompts, replace(gen, temperature=0.0), models.names, tools=True)
+    texts = dict(fixed_answers(models, prompts, gen, cache))
+    tuned = [n for n in models.names if n not in texts]
+    if tuned:
+        texts.update(models.generate(prompts, replace(gen, temperature=0.0), tuned, tools=True))
     report: dict[str, Any] = {"source": source, "items": len(examples)}
     for name, completions in texts.items():
         scores = reward(completions, answers, list(prompts))
@@ -85,6 +93,26 @@ def retention(
         if name in report:
             report[f"change_from_{name}"] = report["tuned"] - report[name]
     return report
+
+
+def fixed_answers(
+    models: Models,
+    prompts: Sequence[str],
+    gen: GenerationConfig,
+    cache: ContinuationCache | None,
+) -> dict[str, list[str]]:
+    """Retention's greedy answers of the models the run does not train (base, SFT adapter),
+    from ``cache`` or generated into it; {} without a cache."""
+    if cache is None:
+        return {}
+    fixed = [n for n in models.names if n in FIXED_MODELS]
+    greedy = replace(gen, temperature=0.0)
+
+    def make(names: Sequence[str]) -> dict[str, list[str]]:
+        return models.generate(prompts, greedy, names, tools=True)
+
+    key = ("retention", tuple(prompts), greedy.new_tokens, repr(models.tools))
+    return cache.fixed_texts(models, key, fixed, make)
 
 
 def sampled(

@@ -55,7 +55,9 @@ def fresh_state(
         "elapsed": 0.0,
     }
     seconds = time.perf_counter() - start
-    budget.remeasure(inputs, h, seconds, len(task.test), len(task.train))
+    report = checks.reserve_end(seconds)
+    state["end_reserve"] = h.end_reserve  # a resumed run keeps it
+    budget.remeasure(inputs, h, seconds, len(task.test), len(task.train), report)
     if budget.plan is not None:
         state["plan"] = budget.plan.as_dict()
     # The watch's reference, scored once: at an edge the scaled start is not tried.

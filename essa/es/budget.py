@@ -37,6 +37,7 @@ class Budget:
     probe_row: float = 0.0  # the probe's cost of a row (base model, micro-batch of 16)
     val_items: int | None = None  # the validation split's items (what the checks score)
     reference_scored: bool = False  # the SFT adapter's validation scores are taken: keep their size
+    report: float = 0.0  # the drift report's forecast seconds (after the held-out baseline)
 
     @classmethod
     def start(
@@ -95,7 +96,9 @@ class Budget:
         c = plan.costs
         row = c.get("row", 0.0)
         sft_step, prefill = c.get("sft_step", 0.0), c.get("prefill_token", 0.0)
-        return cls(plan, lengths, sft_step, prefill, row, c.get("probe_row", row))
+        budget = cls(plan, lengths, sft_step, prefill, row, c.get("probe_row", row))
+        budget.report = c.get("report", 0.0)
+        return budget
 
     def sft_limit(self, d: DataConfig, tokenizer: Any, task: Task) -> SFTLimit | None:
         """SFT's time limit and loss check (training examples the search also draws from,
@@ -111,10 +114,17 @@ class Budget:
         return SFTLimit(self.plan.sft_seconds, check, prompts, SFT_CHECKS, SFT_PATIENCE)
 
     def remeasure(
-        self, cfg: PlanInputs, h: Harness, seconds: float, test_items: int, train_items: int
+        self,
+        cfg: PlanInputs,
+        h: Harness,
+        seconds: float,
+        test_items: int,
+        train_items: int,
+        report: float = 0.0,
     ) -> None:
         """Re-plan what follows the held-out baseline with that pass's cost per row (the
-        population machinery on the SFT adapter, at the run's micro-batch)."""
+        population machinery on the SFT adapter, at the run's micro-batch) and the drift
+        report's forecast ``report`` seconds."""
         if self.plan is None or not test_items:
             return
         from essa.dist import shard
@@ -122,7 +132,8 @@ class Budget:
 
         part = shard(test_items, h.comm.rank, h.comm.world_size)
         row = _slowest(h, seconds / max(1, part.stop - part.start))
-        costs = Costs(row, self.sft_step, h.elapsed, self.prefill_token)
+        self.report = _slowest(h, report)
+        costs = Costs(row, self.sft_step, h.elapsed, self.prefill_token, report=self.report)
         done = ("model load", "SFT", "held-out baseline")
         self._replan(cfg, h, costs, done, test_items, train_items, "the held-out baseline")
 
@@ -147,7 +158,14 @@ class Budget:
         from essa.es.plan import Costs
 
         search_row = max(_slowest(h, seconds / rows), self.row, self.probe_row)
-        costs = Costs(self.row, self.sft_step, h.elapsed, self.prefill_token, search_row=search_row)
+        costs = Costs(
+            self.row,
+            self.sft_step,
+            h.elapsed,
+            self.prefill_token,
+            search_row=search_row,
+            report=self.report,
+        )
         done = ("model load", "SFT", "held-out baseline", "scale baseline")
         self._replan(cfg, h, costs, done, test_items, train_items, "the scaled start")
 
@@ -166,7 +184,8 @@ class Budget:
         seconds = max(MIN_SECONDS, _slowest(h, seconds))
         # A first generation that ended past the budget leaves nothing, never less: the plan
         # then holds the generations done, and the loop stops on its own budget check.
-        remaining = max(0.0, p.budget - h.elapsed - p.seconds.get("held-out", 0.0))
+        after = sum(p.seconds.get(k, 0.0) for k in ("held-out", "final held-out", "drift"))
+        remaining = max(0.0, p.budget - h.elapsed - after)
         left = min(TARGET_GENERATIONS, generations) - done
         prompts = resized_prompts(p.prompts, seconds, remaining, left, most, batch)
         if prompts == p.prompts:

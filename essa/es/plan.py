@@ -2,10 +2,11 @@
 phase sized so that the search gets most of ``run.max_wall_seconds``.
 
 An ESSA run spends its wall-clock in phases (model load, SFT, the SFT adapter's held-out pass,
-the scaled start, held-out checks during the search, the generations; the final held-out pass
-and the export come after the budget). A config tuned on one task sizes them by hand; on a task
-with 3x longer prompts the same sizes leave the search one generation. The plan, made before
-SFT, reads what the task costs on this machine and sizes what may be sized:
+the scaled start, held-out checks during the search, the generations, the final held-out pass
+and the drift report; only the export, a write, comes after the budget). A config tuned on one
+task sizes them by hand; on a task with 3x longer prompts the same sizes leave the search one
+generation. The plan, made before SFT, reads what the task costs on this machine and sizes what
+may be sized:
 
 * ``generation.max_new_tokens: auto``: the longest reference answer in tokens plus the stop
   token and a slack (:func:`auto_max_new_tokens`); a fixed value shorter than the references is
@@ -176,6 +177,7 @@ class Costs:
     # One row of the search (a candidate on a training prompt, with the reference tie-breaker
     # and the per-row singular values); ``row`` until the scaled start has measured one.
     search_row: float | None = None
+    report: float = 0.0  # the drift report after the search (measured before it; 0: not yet)
 
     @property
     def train_row(self) -> float:
@@ -332,7 +334,8 @@ def make_plan(
             f"{plan.population} candidates x {plan.prompts} prompts after model load "
             f"{s['model load']:.0f} s, SFT {s['SFT']:.0f} s, the held-out baseline "
             f"{s['held-out baseline']:.0f} s on {test_items} items, the scaled start "
-            f"{s['scale baseline']:.0f} s and held-out checks {s['held-out']:.0f} s; a useful "
+            f"{s['scale baseline']:.0f} s, held-out checks {s['held-out']:.0f} s and the final "
+            f"pass {s['final held-out']:.0f} s; a useful "
             f"search needs {useful}: raise it to at least {math.ceil(high)} s, or lower "
             "data.test_size or generation.max_new_tokens"
         )
@@ -380,7 +383,9 @@ def _sized(
     # With validation, the SFT adapter's and the scaled start's passes before the search too.
     before = 0 if not val_items or "held-out baseline" in done else 1 + bool(start_prompts)
     held_out = (checks + before) * check_items * row
-    fixed = costs.spent + sft + baseline + start + held_out
+    # After the search, inside the budget too: the final held-out pass and the drift report.
+    final = test_items * row
+    fixed = costs.spent + sft + baseline + start + held_out + final + costs.report
     search = budget - fixed
 
     def generation(size: tuple[int, int]) -> float:
@@ -410,6 +415,8 @@ def _sized(
         "scale baseline": start,
         "held-out": held_out,
         "generations": generations * generation(size),
+        "final held-out": final,
+        "drift": costs.report,
     }
     return Plan(
         budget=budget,

@@ -71,6 +71,11 @@ class Harness:
         self.interrupt = Interrupt()
         self._saved = 0  # steps held by the last complete checkpoint
         self.step_seconds: list[float] = []  # this process's steps, for the budget's forecast
+        # Seconds the passes after the loop (final held-out pass, drift report) are forecast to
+        # take: the budget stop keeps them inside run.max_wall_seconds (set by the recipe once
+        # measured; 0 until then).
+        self.end_reserve = 0.0
+        self.stop_reason: str | None = None  # why the loop ended before run.generations
         if self.is_root and not resume:  # first, so that a kill at any later moment can resume
             atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
         # After the config: wandb and trackio write under run_dir. A resumed run starts a new
@@ -115,6 +120,7 @@ class Harness:
         for log in (self.metrics, self.samples, self.heldout_scores):
             log.truncate_after(done - 1)  # records past the checkpoint will be redone
         self.elapsed_before = float(state.get("elapsed", 0.0))
+        self.end_reserve = float(state.get("end_reserve", 0.0))
         self._saved = done
         return state
 
@@ -252,6 +258,7 @@ class Harness:
                 yield step
                 done += 1
                 if step.stop_reason is not None:
+                    self.stop_reason = step.stop_reason
                     self.say(step.stop_reason)
                     if step.signum is not None:
                         self.comm.barrier()  # no rank exits before rank 0's checkpoint is saved
@@ -273,7 +280,10 @@ class Harness:
     def summary(
         self, *, baseline: float, final: float, steps: int, adapter_dir: Path, **extra: Any
     ) -> JSONDict:
-        """The summary fields every recipe reports; ``extra`` adds the recipe's own."""
+        """The summary fields every recipe reports; ``extra`` adds the recipe's own (its
+        ``stop_reason`` None: the loop's own, a signal's or the budget's, if it had one)."""
+        if extra.get("stop_reason") is None and self.stop_reason is not None:
+            extra["stop_reason"] = self.stop_reason
         planned = self.reporter.planned
         plan_vs_actual = {
             name: {"planned": seconds, "actual": round(self.reporter.actual.get(name, 0.0), 1)}
@@ -353,8 +363,14 @@ class Step:
         # as long as the median of the last few (a held-out pass makes one step longer).
         forecast = float(np.median(h.step_seconds[-5:])) if h.step_seconds else 0.0
         # Ranks time themselves differently: they must agree to stop, or some would block.
-        if budget and any_rank(h.comm, h.elapsed + forecast > budget):
+        if budget and any_rank(h.comm, h.elapsed + forecast + h.end_reserve > budget):
+            after = (
+                f" and the passes after the {h.unit} ({h.end_reserve:.0f} s kept for them)"
+                if h.end_reserve
+                else ""
+            )
             return (
-                f"stopping: run.max_wall_seconds={budget} would be passed by the next {h.unit[:-1]}"
+                f"stopping: run.max_wall_seconds={budget:g} would be passed by the next "
+                f"{h.unit[:-1]}{after}"
             )
         return None

@@ -137,7 +137,7 @@ def _checks(
     from essa import setup
     from essa.backends import population_evaluator
     from essa.drift.offtask import ContinuationCache
-    from essa.drift.report import adapter_pass_figures, adapter_report
+    from essa.drift.report import adapter_pass_figures, adapter_report, adapter_warm
     from essa.es.kl_promise import kl_promise
     from essa.rewards.logprob import COMPLETION_LOGPROBS
 
@@ -153,7 +153,10 @@ def _checks(
     report = functools.partial(
         adapter_report, drift, cache, h, model, tokenizer, adapter, task.test
     )
-    return Checks(h, evaluator, task, test_prompts, val, budget, pass_drift, report, promise)
+    forecast = adapter_warm(drift, cache, h, model, tokenizer, adapter)  # before the search
+    return Checks(
+        h, evaluator, task, test_prompts, val, budget, pass_drift, report, promise, forecast
+    )
 
 
 def _drift_budget(

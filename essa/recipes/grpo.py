@@ -56,12 +56,10 @@ from typing import TYPE_CHECKING, Any
 
 from essa.config import Config, to_dict
 from essa.dist import Comm
-from essa.drift.models import PeftModels
-from essa.drift.report import DriftSettings, measure, pass_figures, summary_line
-from essa.drift.update import peft_updates
 from essa.errors import UserError
 from essa.gradient import checkpoint, losses, replay
 from essa.gradient.data import TaskData
+from essa.gradient.drift import PolicyDrift
 from essa.gradient.features import grpo_hooks
 from essa.gradient.heldout import baseline_state, heldout_accuracy
 from essa.gradient.hooks import Hooks
@@ -110,10 +108,13 @@ def run(
         trained += [] if prime is None else [prime.trained()]  # phi, before the checkpoint loads
         state = checkpoint.load(run_dir, trained) if resume else None
         state = h.restore(state, done=state["step"] if state else 0)
+        drift = _drift(cfg)
+        warmed = drift.warm(h, policy, tokenizer)  # what training cannot change, first
         if state is None:
             fields = {"dim": policy.dim, "variant": losses.preset(g)}
             ev = (cfg.generation, cfg.evaluation.micro_batch_size)
             state = baseline_state(policy, tokenizer, data, h, *ev, fields, cfg.tools.python)
+            state["end_reserve"] = drift.reserve(h, warmed, len(data.test))
             first = replay.first_buffer(
                 g.replay, tokenizer, data.train, data.train_prompts, reward, h.say
             )
@@ -167,7 +168,7 @@ def _heldout_pass(
     if cfg.tools.python.max_tool_calls:
         record.update({"heldout_" + k: v for k, v in tally.metrics().items()})
     if cfg.evaluation.drift.every_pass:
-        record.update(pass_figures(*_drift_models(cfg, policy, tokenizer), policy.offtask))
+        record.update(_drift(cfg).pass_figures(policy, tokenizer))
     return record
 
 
@@ -251,7 +252,7 @@ def _finish(
         policy, tokenizer, data, h, cfg.generation, cfg.evaluation.micro_batch_size,
         "final held-out", state["step"], final=True, tools=cfg.tools.python, tally=tally,
     )  # fmt: skip
-    report = _drift(cfg, h, policy, tokenizer, data)
+    report = _drift(cfg).report(h, policy, tokenizer, data.test)
     adapter_dir = h.run_dir / "adapter"
     with h.phase("export"):
         policy.export(adapter_dir, cfg.model.name_or_path)
@@ -281,28 +282,9 @@ def _finish(
     return h.finish(summary)
 
 
-def _drift_models(cfg: Config, policy: Policy, tokenizer: Any) -> tuple[DriftSettings, Any, Any]:
-    """(settings, models, update sizes) the drift report compares. LISA trains the base weights
-    (the SFT adapter merged in), so it has neither a base nor an adapter to compare: the tuned
-    model only, and no update sizes."""
-    lisa, mb = cfg.grpo.trainable == "lisa", cfg.evaluation.micro_batch_size
-    sft = None if lisa else policy.frozen_reference
-    models = PeftModels(policy.model, tokenizer, mb, sft=sft, has_base=not lisa)
-    return drift_settings(cfg), models, None if lisa else peft_updates(policy.model, sft)
-
-
-def _drift(
-    cfg: Config, h: Harness, policy: Policy, tokenizer: Any, data: TaskData
-) -> dict[str, Any]:
-    """The final policy's drift report (essa/drift/): under LISA pass@K and retention of
-    the tuned model only (:func:`_drift_models`)."""
-    settings, models, updates = _drift_models(cfg, policy, tokenizer)
-    # Not under policy.inference(): its cached factors would outlive frozen_reference's swap.
-    with h.phase("drift"):
-        report = measure(settings, models, tokenizer, data.test, h.metric, updates, policy.offtask)
-    if (line := summary_line(report)) is not None:
-        h.say(line)
-    return report
+def _drift(cfg: Config) -> PolicyDrift:
+    """The run's drift report: LISA's has neither base nor adapter to compare."""
+    return PolicyDrift(drift_settings(cfg), lisa=cfg.grpo.trainable == "lisa")
 
 
 def _shown(record: dict[str, Any]) -> dict[str, Any]:
