@@ -334,6 +334,9 @@ def stop_kind(summary: dict[str, Any], ceiling: int | None = None) -> str:
     'cap (40)'
     >>> stop_kind({"stop_reason": None, "generations": 39, "plan": {"generations": 24}}, 40)
     'budget (39)'
+    >>> stop_kind({"stop_reason": "stopping: run.max_wall_seconds=1140 would be passed by the "
+    ...            "next generation", "generations": 31}, 40)
+    'budget (31)'
     """
     reason, made = summary.get("stop_reason") or "", summary["generations"]
     if reason.startswith("start at the ceiling"):
@@ -344,6 +347,8 @@ def stop_kind(summary: dict[str, Any], ceiling: int | None = None) -> str:
         return f"patience ({made})"
     if "no signal" in reason:
         return f"no signal ({made})"
+    if "run.max_wall_seconds" in reason:
+        return f"budget ({made})"
     if reason:
         return reason.split(":")[0]
     cap = ceiling if ceiling is not None else (summary.get("plan") or {}).get("generations")
