@@ -290,13 +290,42 @@ def test_the_report_reads_what_was_written_before_the_search(tiny_model_dir: Pat
     final = measure(s, Counting(base, tokenizer, adapter, vector, 4), tokenizer, [], None, None,
                     cache)  # fmt: skip
     assert generated == [("tuned",)]  # the tuned model's retention, nothing else
-    uncached = measure(s, PopulationModels(base, tokenizer, adapter, vector, 4), tokenizer, [], None)
+    uncached = measure(
+        s, PopulationModels(base, tokenizer, adapter, vector, 4), tokenizer, [], None
+    )
     assert final == uncached
     assert final["retention"]["items"] == 3 and "change_from_sft" in final["retention"]
     # The forecast prices the tuned model's share of what was measured.
     forecast = tuned_seconds(s, warmed, row_seconds=0.0, test_items=10)
     expected = warmed["retention"] / 2 + warmed["continuations"]
     assert forecast == pytest.approx(expected, abs=0.06)
+
+
+def test_pass_at_k_is_priced_on_the_starts_own_samples(tiny_model_dir: Path) -> None:
+    """Before the search, warm() samples the start's pass@K on the first 8 test items (K rows
+    each, the tuned row, which is the start there); the forecast prices the final pass@K at
+    that rate per item, not at the greedy held-out rate per row it is given."""
+    from essa.drift.report import SAMPLE_PROBE_ITEMS, tuned_seconds, warm
+
+    base, tokenizer, adapter = svd_setup(tiny_model_dir)
+    calls: list[tuple[tuple[str, ...], int]] = []  # (models, rows) of each generate call
+
+    class Counting(PopulationModels):
+        def generate(self, prompts, gen, names, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append((tuple(names), len(prompts)))
+            return super().generate(prompts, gen, names, **kwargs)
+
+    test, grader = retention_task("builtin:arithmetic", 12)
+    s = settings(prompts=0, retention="none", items=12, samples=3)
+    models = Counting(base, tokenizer, adapter, np.zeros(adapter.dim), 4)
+    warmed = warm(s, models, tokenizer, ContinuationCache(), test, grader)
+    assert calls == [(("tuned",), SAMPLE_PROBE_ITEMS * 3)]
+    assert warmed["samples_per_item"] > 0
+    forecast = tuned_seconds(s, warmed, row_seconds=1000.0, test_items=10)
+    assert forecast == pytest.approx(10 * warmed["samples_per_item"], abs=0.06)
+    # Without the probe (no reward to grade it), the greedy rate per row prices it.
+    assert "samples_per_item" not in warm(s, models, tokenizer, ContinuationCache(), test)
+    assert tuned_seconds(s, {}, row_seconds=0.5, test_items=10) == 15.0
 
 
 def test_retention_generates_past_a_short_task_length(tiny_model_dir: Path) -> None:

@@ -383,6 +383,7 @@ def test_train_at_the_floor_keeps_the_start_and_says_why(tmp_path: Path, start: 
     phases = [json.loads(line)["phase"] for line in (run_dir / "phases.jsonl").open()]
     assert phases.count("final held-out") == 0 and phases.count("held-out baseline") >= 1
     assert "scale baseline" not in phases
+    assert "drift baseline" not in phases  # the report's fixed parts serve a search only
     if start == "scale_baseline":
         assert "scaled start not tried: the SFT adapter is at the floor on validation" in res.stdout
         assert "the scaled start and the tie-breaker's check are not tried" in lines[0]
@@ -418,3 +419,5 @@ def test_train_at_the_ceiling_says_so_before_the_search(tmp_path: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["start_ceiling"] == {"right": 40, "items": 40, "score": 1.0}
     assert summary["generations"] == 1 and summary["stop_reason"] is None
+    phases = [json.loads(line)["phase"] for line in (run_dir / "phases.jsonl").open()]
+    assert "drift baseline" in phases  # a run that searches writes the report's fixed parts

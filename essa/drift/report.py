@@ -100,14 +100,25 @@ def _model_parts(
     return report
 
 
+SAMPLE_PROBE_ITEMS = 8  # items whose pass@K the start samples, to price the final one
+
+
 def warm(
-    s: DriftSettings, models: Models, tokenizer: Any, cache: ContinuationCache
+    s: DriftSettings,
+    models: Models,
+    tokenizer: Any,
+    cache: ContinuationCache,
+    test: Sequence[Example] = (),
+    reward: Any = None,
 ) -> dict[str, float]:
     """Write into ``cache`` the parts of the final report the search cannot change, before it
     starts: the base model's off-task continuations and the base's and the SFT adapter's
     retention answers. The final report then generates the tuned model's part alone, so the
     time after the search is short and known (:func:`tuned_seconds`). Returns the seconds each
-    part took ({} when the report has no model part)."""
+    part took ({} when the report has no model part), and ``samples_per_item``: pass@K's
+    seconds per test item, timed on the start's samples of the first
+    :data:`SAMPLE_PROBE_ITEMS` (sampled answers run longer than the held-out pass's greedy
+    ones: on chain_sum, 3x its seconds per row)."""
     from essa.data.task import render_prompts
 
     d, seconds = s.drift, {}
@@ -127,6 +138,14 @@ def warm(
             held = fixed_answers(replace(models, tools=s.tools), prompts, gen, cache)
         seconds["retention"] = time.perf_counter() - start
         seconds["retention_models"] = len(held)
+    probe = list(test[: min(d.items, SAMPLE_PROBE_ITEMS)])
+    if d.samples >= 2 and probe and reward is not None:
+        start = time.perf_counter()
+        gen = replace(s.generation, temperature=d.temperature)
+        prompts = render_prompts(probe, s.data.template, tokenizer, s.data.system_prompt)
+        with _eval_mode(models.model):
+            sampled(replace(models, tools=s.tools), probe, prompts, gen, d.samples, reward, s.seed)
+        seconds["samples_per_item"] = (time.perf_counter() - start) / len(probe)
     return seconds
 
 
@@ -134,17 +153,26 @@ def tuned_seconds(
     s: DriftSettings, warmed: dict[str, float], row_seconds: float, test_items: int
 ) -> float:
     """The final report's seconds, forecast before the search: the tuned model's retention at
-    the warmed models' rate per model, pass@K at the held-out pass's rate per row
-    (``row_seconds``: the same prompts, sampled), and its off-task KL forward at the
-    continuations' cost (a teacher-forced pass of each model, priced as the generation).
+    the warmed models' rate per model, pass@K at the start's rate per item
+    (``samples_per_item``; without it, the held-out pass's rate per row, ``row_seconds``: the
+    same prompts, greedy), and its off-task KL forward at the continuations' cost (a
+    teacher-forced pass of each model, priced as the generation).
 
-    >>> tuned_seconds(_settings(), {"retention": 20.0, "retention_models": 2,
-    ...                             "continuations": 3.0}, 0.05, 500)
+    >>> warmed = {"retention": 20.0, "retention_models": 2, "continuations": 3.0}
+    >>> tuned_seconds(_settings(), warmed, 0.05, 500)
     25.8
+    >>> tuned_seconds(_settings(), {**warmed, "samples_per_item": 0.4}, 0.05, 500)
+    38.6
     """
     d = s.drift
     per_model = warmed.get("retention", 0.0) / max(1, int(warmed.get("retention_models", 0)))
-    samples = min(d.items, test_items) * d.samples * row_seconds if d.samples >= 2 else 0.0
+    items = min(d.items, test_items)
+    if d.samples < 2:
+        samples = 0.0
+    elif "samples_per_item" in warmed:
+        samples = items * warmed["samples_per_item"]
+    else:
+        samples = items * d.samples * row_seconds
     kl = warmed.get("continuations", 0.0)
     return round(per_model + samples + kl, 1)
 
@@ -270,16 +298,17 @@ def adapter_warm(
     model: Any,
     tokenizer: Any,
     adapter: SVDAdapter,
+    test: Sequence[Example] = (),
 ) -> Callable[[float, int], float]:
     """ESSA's :func:`warm` (rank 0, which writes the report, before the search; ``model``
     None under vLLM: nothing); the report's forecast, (seconds of a held-out row, items) ->
-    seconds (:func:`tuned_seconds`)."""
+    seconds (:func:`tuned_seconds`). The run calls it once it knows it will search."""
     warmed: dict[str, float] = {}
     if model is not None and h.is_root:
         zeros = np.zeros(adapter.dim)  # the tuned row is not generated here
         models = PopulationModels(model, tokenizer, adapter, zeros, s.micro_batch_size)
         with h.phase("drift baseline"):
-            warmed = warm(s, models, tokenizer, cache)
+            warmed = warm(s, models, tokenizer, cache, test, h.metric)
     return functools.partial(tuned_seconds, s, warmed)
 
 

@@ -55,14 +55,16 @@ def fresh_state(
         "elapsed": 0.0,
     }
     seconds = time.perf_counter() - start
-    report = checks.reserve_end(seconds)
+    # The watch's reference, scored once: at an edge the scaled start is not tried, and the
+    # pre-flight keeps the start (no search, so no drift report's parts to write first).
+    state["sft_validation"] = checks.validate(zeros, "SFT adapter")
+    budget.reference_scored = True
+    kept = _kept_at_an_edge(inputs, state["sft_validation"])
+    report = checks.reserve_end(seconds, searching=not kept)
     state["end_reserve"] = h.end_reserve  # a resumed run keeps it
     budget.remeasure(inputs, h, seconds, len(task.test), len(task.train), report)
     if budget.plan is not None:
         state["plan"] = budget.plan.as_dict()
-    # The watch's reference, scored once: at an edge the scaled start is not tried.
-    state["sft_validation"] = checks.validate(zeros, "SFT adapter")
-    budget.reference_scored = True
     tried = _scaled_start(inputs, state["sft_validation"], h)
     if inputs.optimizer.start == "scale_baseline" and not tried:
         state["scaled_start_skipped"] = True  # at an edge: the pre-flight reads the SFT adapter
@@ -75,17 +77,23 @@ def fresh_state(
     return state
 
 
+def _kept_at_an_edge(inputs: PlanInputs, sft_validation: list[float]) -> bool:
+    """Whether the SFT adapter is at the floor or the ceiling on validation and the run keeps
+    its start there (``run.on_no_signal: keep_start``): the pre-flight then keeps it."""
+    return at_an_edge(sft_validation) is not None and inputs.run.on_no_signal == "keep_start"
+
+
 def _scaled_start(inputs: PlanInputs, sft_validation: list[float], h: Harness) -> bool:
     """Whether the search's scaled start is tried: ``optimizer.start: scale_baseline``, unless
-    the SFT adapter is at the floor or the ceiling on validation and the run keeps its start
-    there (``run.on_no_signal: keep_start``): a factor chosen on a reward that is nearly all 0
-    or all 1 is chosen on noise (x6 on a floor task), and the pre-flight keeps the start."""
+    the pre-flight keeps the SFT adapter at an edge (:func:`_kept_at_an_edge`): a factor
+    chosen on a reward that is nearly all 0 or all 1 is chosen on noise (x6 on a floor task)."""
     if inputs.optimizer.start != "scale_baseline":
         return False
-    edge = at_an_edge(sft_validation)
-    if edge is None or inputs.run.on_no_signal != "keep_start":
+    if not _kept_at_an_edge(inputs, sft_validation):
         return True
-    h.say(f"scaled start not tried: the SFT adapter is at the {edge} on validation")
+    h.say(
+        f"scaled start not tried: the SFT adapter is at the {at_an_edge(sft_validation)} on validation"
+    )
     return False
 
 

@@ -66,21 +66,24 @@ class Checks:
     pass_drift: DriftFigures  # a checked mean's drift figures (evaluation.drift.every_pass)
     drift_report: DriftFigures  # the exported point's drift report
     promise: KLPromise | None = None  # optimizer.drift_budget.kl_budget on the exported point
-    # (seconds of a test-split row, test items) -> the drift report's forecast seconds
-    # (essa.drift.report.tuned_seconds over what was written before the search)
-    report_forecast: Callable[[float, int], float] | None = None
+    # Writes the drift report's parts the search cannot change and returns its forecast,
+    # (seconds of a test-split row, test items) -> seconds (essa.drift.report.adapter_warm)
+    warm_report: Callable[[], Callable[[float, int], float]] | None = None
 
-    def reserve_end(self, heldout_seconds: float) -> float:
+    def reserve_end(self, heldout_seconds: float, searching: bool = True) -> float:
         """Keep the passes after the search inside the budget: the final held-out pass (as
         long as this rank's held-out baseline, ``heldout_seconds``) and the drift report
-        (rank 0 writes it; the ranks agree to stop on the largest). Returns the report's
-        forecast seconds (the plan prices them too)."""
+        (rank 0 writes it; the ranks agree to stop on the largest). The report's fixed parts
+        are written here, only for a run that will search (``searching``: a start kept at
+        the pre-flight exports the SFT adapter, whose report reads none of them). Returns the
+        report's forecast seconds (the plan prices them too)."""
         from essa.dist import shard
 
         h, items = self.h, len(self.task.test)
         part = shard(items, h.comm.rank, h.comm.world_size)
         row = heldout_seconds / max(1, part.stop - part.start)
-        report = self.report_forecast(row, items) if self.report_forecast else 0.0
+        forecast = self.warm_report() if searching and self.warm_report else None
+        report = forecast(row, items) if forecast else 0.0
         h.end_reserve = round(heldout_seconds + report, 1)
         return report
 

@@ -40,14 +40,17 @@ class PolicyDrift:
         models = PeftModels(policy.model, tokenizer, mb, sft=sft, has_base=not self.lisa)
         return models, None if self.lisa else peft_updates(policy.model, sft)
 
-    def warm(self, h: Harness, policy: Policy, tokenizer: Any) -> dict[str, float]:
+    def warm(
+        self, h: Harness, policy: Policy, tokenizer: Any, test: list[Example]
+    ) -> dict[str, float]:
         """Write the parts training cannot change (essa.drift.report.warm), rank 0, which
-        writes the report; the seconds each took."""
+        writes the report; the seconds each took (pass@K's priced on the start's samples of
+        the first ``test`` items)."""
         if not h.is_root:
             return {}
         models, _ = self.models(policy, tokenizer)
         with h.phase("drift baseline"):
-            return warm(self.settings, models, tokenizer, policy.offtask)
+            return warm(self.settings, models, tokenizer, policy.offtask, test, h.metric)
 
     def reserve(self, h: Harness, warmed: dict[str, float], items: int) -> float:
         """Keep the passes after training inside the budget (``h.end_reserve``): the final

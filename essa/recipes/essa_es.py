@@ -153,10 +153,8 @@ def _checks(
     report = functools.partial(
         adapter_report, drift, cache, h, model, tokenizer, adapter, task.test
     )
-    forecast = adapter_warm(drift, cache, h, model, tokenizer, adapter)  # before the search
-    return Checks(
-        h, evaluator, task, test_prompts, val, budget, pass_drift, report, promise, forecast
-    )
+    warm = functools.partial(adapter_warm, drift, cache, h, model, tokenizer, adapter, task.test)
+    return Checks(h, evaluator, task, test_prompts, val, budget, pass_drift, report, promise, warm)
 
 
 def _drift_budget(

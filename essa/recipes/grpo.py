@@ -109,7 +109,7 @@ def run(
         state = checkpoint.load(run_dir, trained) if resume else None
         state = h.restore(state, done=state["step"] if state else 0)
         drift = _drift(cfg)
-        warmed = drift.warm(h, policy, tokenizer)  # what training cannot change, first
+        warmed = drift.warm(h, policy, tokenizer, data.test)  # what training cannot change, first
         if state is None:
             fields = {"dim": policy.dim, "variant": losses.preset(g)}
             ev = (cfg.generation, cfg.evaluation.micro_batch_size)
