@@ -106,7 +106,7 @@ def seed_everything(seed: int) -> None:
 
 def load_base_model(cfg: Config, h: Harness) -> tuple[Any, Any]:
     """(model, tokenizer) of ``cfg.model`` on this rank's device, as the "model load" phase."""
-    from essa.backends.models import dtype_choice, load_model
+    from essa.backends.models import compute_record, dtype_choice, load_model
     from essa.dist import place_rank
 
     if cfg.backend == "vllm":
@@ -116,6 +116,7 @@ def load_base_model(cfg: Config, h: Harness) -> tuple[Any, Any]:
     model_cfg = place_rank(cfg.model, h.comm)
     if (line := dtype_choice(model_cfg)) is not None:
         h.say(line)
+    h.compute = compute_record(model_cfg)  # the summary's "compute" (rank 0's)
     with h.phase("model load"):
         return load_model(model_cfg)
 

@@ -64,6 +64,7 @@ def test_grpo_train_writes_run_dir_and_loadable_adapter(tmp_path: Path) -> None:
         assert key in summary
     assert summary["generations"] == 3 and summary["algorithm"] == "grpo"
     assert summary["variant"]["normaliser"] == "sequence_mean"  # the preset is recorded
+    assert summary["compute"]["device"] == "cpu" and summary["compute"]["dtype"] == "float32"
     assert 0.0 <= summary["final_accuracy"] <= 1.0
     recs = records(run_dir)
     assert recs[0]["event"] == "baseline" and recs[0]["variant"]["name"] == "grpo"

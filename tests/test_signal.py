@@ -419,5 +419,14 @@ def test_train_at_the_ceiling_says_so_before_the_search(tmp_path: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["start_ceiling"] == {"right": 40, "items": 40, "score": 1.0}
     assert summary["generations"] == 1 and summary["stop_reason"] is None
+    # What it computed in: the demo's float32 on this CPU's own instruction set.
+    import torch
+
+    assert summary["compute"] == {
+        "device": "cpu",
+        "dtype": "float32",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+    }
     phases = [json.loads(line)["phase"] for line in (run_dir / "phases.jsonl").open()]
     assert "drift baseline" in phases  # a run that searches writes the report's fixed parts

@@ -109,6 +109,19 @@ def dtype_choice(cfg: ModelConfig) -> str | None:
     return f"model.dtype fast: {chosen} (bfloat16 matmuls on {device.type} are {why})"
 
 
+def compute_record(cfg: ModelConfig) -> dict[str, str]:
+    """What a run computes in, for its summary: the device, the resolved ``model.dtype`` and,
+    on CPU, the instruction set torch dispatches to. Runs of the same config on two machines
+    differ there (float32 on an AVX2 CPU, bfloat16 on one with AVX512-BF16), in speed and in
+    their rounding, so a comparison across runs reads it first."""
+    device = pick_device(cfg.device)
+    record = {"device": device.type, "dtype": concrete_dtype(cfg.dtype, device)}
+    if device.type == "cpu":
+        record["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    record["torch"] = torch.__version__
+    return record
+
+
 def load_tokenizer(cfg: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 

@@ -76,6 +76,7 @@ class Harness:
         # measured; 0 until then).
         self.end_reserve = 0.0
         self.stop_reason: str | None = None  # why the loop ended before run.generations
+        self.compute: JSONDict = {}  # device, resolved dtype, CPU capability (the summary's)
         if self.is_root and not resume:  # first, so that a kill at any later moment can resume
             atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
         # After the config: wandb and trackio write under run_dir. A resumed run starts a new
@@ -299,6 +300,7 @@ class Harness:
             "process_wall_seconds": round(time.perf_counter() - self.started, 2),
             "heldout_metric": self.metric_name,  # what the two accuracies measured
             "adapter_dir": str(Path(adapter_dir).resolve()),  # absolute: runs start anywhere
+            **({"compute": self.compute} if self.compute else {}),
             **extra,
         }
 
