@@ -21,7 +21,9 @@ from tests.cli_runner import essa
 
 
 def test_doctests() -> None:
-    for module in (signal_module, watch_module):
+    import essa.es.checks as checks_module
+
+    for module in (signal_module, watch_module, checks_module):
         assert doctest.testmod(module).failed == 0
 
 

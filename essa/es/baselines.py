@@ -57,10 +57,12 @@ def fresh_state(
     seconds = time.perf_counter() - start
     # The watch's reference, scored once: at an edge the scaled start is not tried, and the
     # pre-flight keeps the start (no search, so no drift report's parts to write first).
+    start = time.perf_counter()
     state["sft_validation"] = checks.validate(zeros, "SFT adapter")
+    check_seconds = time.perf_counter() - start
     budget.reference_scored = True
     kept = _kept_at_an_edge(inputs, state["sft_validation"])
-    report = checks.reserve_end(seconds, searching=not kept)
+    report = checks.reserve_end(seconds, searching=not kept, check_seconds=check_seconds)
     state["end_reserve"] = h.end_reserve  # a resumed run keeps it
     budget.remeasure(inputs, h, seconds, len(task.test), len(task.train), report)
     if budget.plan is not None:
