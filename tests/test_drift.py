@@ -26,9 +26,9 @@ PROMPTS = ["12+3=", "7*8=", "45-6=", "9 9 9", "1="]
 
 
 def test_doctests() -> None:
-    from essa.drift import offtask, retention, update
+    from essa.drift import offtask, report, retention, update
 
-    for module in (offtask, retention, update):
+    for module in (offtask, report, retention, update):
         assert doctest.testmod(module).failed == 0
 
 
@@ -388,3 +388,99 @@ def test_a_grpo_run_generates_the_base_continuations_once(
     assert sum("drift_kl_base" in r for r in records) == 3  # a KL figure at every pass
     assert calls == [4]  # one generation of the 4 off-task prompts, read by all four
     assert summary["drift"]["kl_base"] == pytest.approx(records[-1]["drift_kl_base"])
+
+
+CHOICE_PROMPTS = [*PROMPTS, "3+4=", "8-1=", "6*2=", "2*9=", "5+5="]
+LABELS = ("0", "1")  # two answers of distinct first tokens: a forced choice between them
+
+
+def label_logp(model: Any, tokenizer: Any, prompts: list[str]) -> torch.Tensor:
+    """(N, 2) by hand: each label's log-prob as the first token after each prompt, one prompt
+    per forward (no padding)."""
+    firsts = [tokenizer(label, add_special_tokens=False)["input_ids"][0] for label in LABELS]
+    rows = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()  # (V,)
+            rows.append(torch.log_softmax(logits, -1)[firsts])
+    return torch.stack(rows)  # (N, 2)
+
+
+def planted(ranks: list[int]) -> list[Any]:
+    from essa.types import Example
+
+    return [Example(p, LABELS[r]) for p, r in zip(CHOICE_PROMPTS, ranks, strict=True)]
+
+
+def test_forced_choice_reads_the_models_ranking_of_the_answers(tiny_model_dir: Path) -> None:
+    """Answers planted as the base model's own top-ranked label score 1.0 for the base, its
+    bottom-ranked 0.0, and logp is the reference's log-prob computed by hand; SFT and tuned on
+    one vector choose alike, a moved tuned vector changes the log-probs."""
+    from essa.drift.retention import forced_choice
+
+    base, tokenizer, adapter = svd_setup(tiny_model_dir)
+    by_hand = label_logp(base, tokenizer, CHOICE_PROMPTS)  # (N, 2)
+    top = by_hand.argmax(1).tolist()
+    assert 0 < sum(top) < len(top)  # both labels are some prompt's top choice
+    same = PopulationModels(base, tokenizer, adapter, np.zeros(adapter.dim), 3)
+    right = forced_choice(same, planted(top), CHOICE_PROMPTS, micro_batch_size=3)
+    assert right is not None and right["labels"] == list(LABELS)
+    assert right["base"] == 1.0
+    assert right["logp_base"] == pytest.approx(float(by_hand.max(1).values.mean()), abs=1e-4)
+    assert right["sft"] == right["tuned"] and right["change_from_sft"] == 0.0
+    wrong = forced_choice(same, planted([1 - t for t in top]), CHOICE_PROMPTS, 4)
+    assert wrong is not None and wrong["base"] == 0.0
+    assert wrong["logp_base"] == pytest.approx(float(by_hand.min(1).values.mean()), abs=1e-4)
+    vector = 2.0 * adapter.stds() * np.random.default_rng(0).standard_normal(adapter.dim)
+    moved = PopulationModels(base, tokenizer, adapter, vector, 3)
+    after = forced_choice(moved, planted(top), CHOICE_PROMPTS, 3)
+    assert after is not None and after["logp_sft"] == pytest.approx(right["logp_sft"], abs=1e-5)
+    assert abs(after["logp_tuned"] - right["logp_tuned"]) > 1e-3
+    # A task of many answers, or of one, has no forced choice.
+    from essa.types import Example
+
+    many = [Example(p, str(i)) for i, p in enumerate(CHOICE_PROMPTS)]
+    assert forced_choice(same, many, CHOICE_PROMPTS, 3) is None
+    assert forced_choice(same, planted([0] * len(top)), CHOICE_PROMPTS, 3) is None
+
+
+def test_forced_choice_of_the_base_and_sft_is_written_before_the_search(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """warm() scores the base's and the SFT adapter's forced choice once and prices the tuned
+    model's; the final report then runs the tuned model's forward alone and gives the figures
+    of a report that scored every model itself."""
+    import essa.drift.report as report_module
+    from essa.drift.report import tuned_seconds, warm
+    from essa.rewards import get_reward
+
+    base, tokenizer, adapter = svd_setup(tiny_model_dir)
+    examples = planted(label_logp(base, tokenizer, CHOICE_PROMPTS).argmax(1).tolist())
+    grader = get_reward("math_accuracy")
+    monkeypatch.setattr(report_module, "retention_task", lambda source, items: (examples, grader))
+    scored: list[tuple[str, ...]] = []  # the models of each log-prob forward
+
+    class Counting(PopulationModels):
+        def log_softmax(self, chunk, names=("base", "sft", "tuned")):  # type: ignore[no-untyped-def]
+            scored.append(tuple(names))
+            return super().log_softmax(chunk, names)
+
+    s = settings(micro_batch_size=5, prompts=0, items=len(examples), samples=0)
+    vector = 0.8 * adapter.stds() * np.random.default_rng(0).standard_normal(adapter.dim)
+    cache = ContinuationCache()
+    warmed = warm(s, Counting(base, tokenizer, adapter, np.zeros(adapter.dim), 5), tokenizer, cache)
+    assert scored == [("base",), ("base",), ("sft",), ("sft",)]  # 10 prompts, 5 a forward
+    assert warmed["choice_models"] == 2 and warmed["choice"] > 0
+    scored.clear()
+    final = measure(s, Counting(base, tokenizer, adapter, vector, 5), tokenizer, [], None, None,
+                    cache)  # fmt: skip
+    assert scored == [("tuned",), ("tuned",)]
+    uncached = measure(s, PopulationModels(base, tokenizer, adapter, vector, 5), tokenizer, [],
+                       None)  # fmt: skip
+    assert final == uncached
+    choice = final["retention"]["choice"]
+    assert choice["base"] == 1.0 and {"change_from_base", "change_from_sft"} <= set(choice)
+    forecast = tuned_seconds(s, warmed, row_seconds=0.0, test_items=10)
+    expected = warmed["retention"] / 2 + warmed["choice"] / 2
+    assert forecast == pytest.approx(expected, abs=0.06)

@@ -541,18 +541,32 @@ def retention_change(runs: Sequence[dict[str, Any]]) -> str:
     report both, with those runs' count and items; "-" when none does (GRPO with LISA has no
     base or SFT model, a run before drift reports none).
 
+    On a task of few answers, the forced choice's changes follow (``choice``, the same means).
+
     >>> kept = {"change_from_base": 0.0625, "change_from_sft": -0.125, "items": 64}
     >>> retention_change([{"summary": {"drift": {"retention": kept}}}, {"summary": {}}])
     '+0.062 / -0.125 (1 x 64)'
+    >>> choice = {"change_from_base": -0.25, "change_from_sft": 0.0}
+    >>> retention_change([{"summary": {"drift": {"retention": {**kept, "choice": choice}}}}])
+    '+0.062 / -0.125 (1 x 64); forced choice -0.250 / +0.000'
     """
     reports = [(r["summary"].get("drift") or {}).get("retention") or {} for r in runs]
     kept = [k for k in reports if "change_from_base" in k and "change_from_sft" in k]
     if not kept:
         return "-"
-    base = statistics.mean(k["change_from_base"] for k in kept)
-    sft = statistics.mean(k["change_from_sft"] for k in kept)
     items = "/".join(str(n) for n in sorted({k["items"] for k in kept}))
-    return f"{base:+.3f} / {sft:+.3f} ({len(kept)} x {items})"
+    shown = f"{_changes(kept)} ({len(kept)} x {items})"
+    choices = [k.get("choice") or {} for k in kept]
+    if all("change_from_base" in c and "change_from_sft" in c for c in choices):
+        shown += f"; forced choice {_changes(choices)}"
+    return shown
+
+
+def _changes(reports: Sequence[dict[str, Any]]) -> str:
+    """'tuned - base / tuned - SFT', each the mean over ``reports``."""
+    base = statistics.mean(k["change_from_base"] for k in reports)
+    sft = statistics.mean(k["change_from_sft"] for k in reports)
+    return f"{base:+.3f} / {sft:+.3f}"
 
 
 @functools.cache

@@ -76,16 +76,25 @@ class PopulationModels:
     def _population(self) -> np.ndarray:
         return np.stack([np.zeros_like(self.vector), np.asarray(self.vector)])  # (2, D)
 
-    def log_softmax(self, chunk: Sequence[Pair]) -> dict[str, torch.Tensor]:
+    def log_softmax(
+        self, chunk: Sequence[Pair], names: Sequence[str] = NAMES
+    ) -> dict[str, torch.Tensor]:
+        """(B, tail, V) log-probs of each of ``names`` on ``chunk``: the base alone, the SFT
+        and tuned vectors as candidate rows of one forward."""
         from essa.adapters import PopulationLoRA, candidate_rows
 
-        base = tail_logp(self.model, chunk, self.tokenizer.pad_token_id)
-        with PopulationLoRA(self.model, self.adapter) as pop:
-            pop.set_population(self._population())
-            pop.set_rows(candidate_rows(2, len(chunk)))
-            both = tail_logp(self.model, list(chunk) * 2, self.tokenizer.pad_token_id)
-        n = len(chunk)
-        return {"base": base, "sft": both[:n], "tuned": both[n:]}
+        pad = self.tokenizer.pad_token_id
+        out = {"base": tail_logp(self.model, chunk, pad)} if "base" in names else {}
+        rows = [i for i, name in enumerate(("sft", "tuned")) if name in names]
+        if rows:
+            n = len(chunk)
+            with PopulationLoRA(self.model, self.adapter) as pop:
+                pop.set_population(self._population()[rows])
+                pop.set_rows(candidate_rows(len(rows), n))
+                logp = tail_logp(self.model, list(chunk) * len(rows), pad)  # (len(rows) B, ...)
+            for c, i in enumerate(rows):
+                out[("sft", "tuned")[i]] = logp[c * n : (c + 1) * n]
+        return out
 
     def generate(
         self,
@@ -162,9 +171,11 @@ class PeftModels:
             return self.sft
         return contextlib.nullcontext
 
-    def log_softmax(self, chunk: Sequence[Pair]) -> dict[str, torch.Tensor]:
+    def log_softmax(
+        self, chunk: Sequence[Pair], names: Sequence[str] = NAMES
+    ) -> dict[str, torch.Tensor]:
         out = {}
-        for name in self.names:
+        for name in (n for n in self.names if n in names):
             with self._context(name)():  # type: ignore[misc]
                 out[name] = tail_logp(self.inner, chunk, self.tokenizer.pad_token_id)
         return out

@@ -112,8 +112,9 @@ class ContinuationCache:
 
     entries: dict[ContinuationKey, tuple[Any, list[str]]] = field(default_factory=dict)
     # Texts of the models the search does not move (the base and the SFT adapter): retention's
-    # greedy answers, written once per run (essa.drift.report.warm) and read by the final report.
-    texts: dict[tuple[Any, ...], tuple[Any, list[str]]] = field(default_factory=dict)
+    # greedy answers and forced-choice scores, written once per run (essa.drift.report.warm) and
+    # read by the final report.
+    texts: dict[tuple[Any, ...], tuple[Any, list[Any]]] = field(default_factory=dict)
 
     def continuations(self, models: Models, prompts: Sequence[str], tokens: int) -> list[str]:
         key = (id(models.model), tuple(prompts), tokens, models.micro_batch_size)
@@ -126,11 +127,12 @@ class ContinuationCache:
 
     def fixed_texts(
         self, models: Models, key: tuple[Any, ...], names: Sequence[str], make: Any
-    ) -> dict[str, list[str]]:
-        """The texts of ``names`` (models the run does not train) under ``key``: held ones
-        from the cache, the others from ``make(missing names)``, then held. The same rule as
-        the continuations: the same model object and micro-batch size, or made afresh."""
-        out: dict[str, list[str]] = {}
+    ) -> dict[str, list[Any]]:
+        """The texts (or per-item scores) of ``names`` (models the run does not train) under
+        ``key``: held ones from the cache, the others from ``make(missing names)``, then held.
+        The same rule as the continuations: the same model object and micro-batch size, or
+        made afresh."""
+        out: dict[str, list[Any]] = {}
         for name in names:
             held = self.texts.get((id(models.model), models.micro_batch_size, name, *key))
             if held is not None and held[0] is models.model:

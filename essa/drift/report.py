@@ -21,6 +21,7 @@ from essa.drift.models import Models, PopulationModels
 from essa.drift.offtask import ContinuationCache, offtask_kl, rendered_offtask_prompts
 from essa.drift.retention import (
     fixed_answers,
+    fixed_choices,
     retention,
     retention_length,
     retention_source,
@@ -92,7 +93,9 @@ def _model_parts(
         examples, grader = retention_task(source, d.items)
         gen = replace(s.generation, max_new_tokens=retention_length(d, s.generation))
         prompts = render(examples)
-        report["retention"] = retention(models, examples, prompts, gen, source, grader, cache)
+        report["retention"] = retention(
+            models, examples, prompts, gen, source, grader, cache, s.micro_batch_size
+        )
     items = list(test[: d.items])
     if d.samples >= 2 and items:
         gen = replace(s.generation, temperature=d.temperature)
@@ -138,6 +141,12 @@ def warm(
             held = fixed_answers(replace(models, tools=s.tools), prompts, gen, cache)
         seconds["retention"] = time.perf_counter() - start
         seconds["retention_models"] = len(held)
+        start = time.perf_counter()
+        with _eval_mode(models.model):
+            scored = fixed_choices(models, examples, prompts, s.micro_batch_size, cache)
+        if scored:
+            seconds["choice"] = time.perf_counter() - start
+            seconds["choice_models"] = len(scored)
     probe = list(test[: min(d.items, SAMPLE_PROBE_ITEMS)])
     if d.samples >= 2 and probe and reward is not None:
         start = time.perf_counter()
@@ -152,8 +161,8 @@ def warm(
 def tuned_seconds(
     s: DriftSettings, warmed: dict[str, float], row_seconds: float, test_items: int
 ) -> float:
-    """The final report's seconds, forecast before the search: the tuned model's retention at
-    the warmed models' rate per model, pass@K at the start's rate per item
+    """The final report's seconds, forecast before the search: the tuned model's retention
+    (and forced choice) at the warmed models' rate per model, pass@K at the start's rate per item
     (``samples_per_item``; without it, the held-out pass's rate per row, ``row_seconds``: the
     same prompts, greedy), and its off-task KL forward at the continuations' cost (a
     teacher-forced pass of each model, priced as the generation).
@@ -173,8 +182,9 @@ def tuned_seconds(
         samples = items * warmed["samples_per_item"]
     else:
         samples = items * d.samples * row_seconds
+    choice = warmed.get("choice", 0.0) / max(1, int(warmed.get("choice_models", 0)))
     kl = warmed.get("continuations", 0.0)
-    return round(per_model + samples + kl, 1)
+    return round(per_model + choice + samples + kl, 1)
 
 
 def _settings() -> DriftSettings:
@@ -252,12 +262,25 @@ def summary_line(report: Mapping[str, Any]) -> str | None:
             if f"change_from_{key}" in kept
         )
         shown = f"retention ({kept['source']}, {kept['items']} items) {kept['tuned']:.3f}"
-        parts.append(shown + changes)
+        parts.append(shown + changes + _choice_part(kept.get("choice")))
     samples = report.get("samples")
     if samples:
         k = samples["k"]
         parts.append(f"pass@{k} {samples[f'pass@{k}']:.3f} maj@{k} {samples[f'maj@{k}']:.3f}")
     return "drift: " + "; ".join(parts) if parts else None
+
+
+def _choice_part(choice: Mapping[str, Any] | None) -> str:
+    """Forced choice's share of the retention line ('' without one).
+
+    >>> _choice_part({"labels": ["False", "True"], "tuned": 0.625, "change_from_sft": 0.0625})
+    ', forced choice 0.625 (vs SFT +0.062)'
+    """
+    if not choice or "tuned" not in choice:
+        return ""
+    change = choice.get("change_from_sft")
+    shown = "" if change is None else f" (vs SFT {change:+.3f})"
+    return f", forced choice {choice['tuned']:.3f}{shown}"
 
 
 def adapter_report(

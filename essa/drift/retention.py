@@ -1,5 +1,6 @@
 """Retention and diversity: greedy accuracy on a task the run does not train on (built-in or
-reasoning-gym) for the base, SFT and tuned models; pass@K, maj@K, mean@K and the answer
+reasoning-gym) for the base, SFT and tuned models, and on a task of few answers their forced
+choice between them; pass@K, maj@K, mean@K and the answer
 entropy of K sampled completions per held-out item. Sampling draws from counter-based per-row
 streams (``drift.samples``), never from a stream training uses."""
 
@@ -11,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import torch
 
 from essa import seeding
 from essa.config import DataConfig, DriftConfig, GenerationConfig
@@ -76,10 +78,12 @@ def retention(
     source: str,
     reward: Any,
     cache: ContinuationCache | None = None,
+    micro_batch_size: int = 8,
 ) -> dict[str, Any]:
     """Greedy accuracy of each model on ``examples`` (the share ``reward`` gives full credit)
-    and the tuned one's changes. ``cache``: the base's and the SFT adapter's answers, written
-    before the search (:func:`fixed_answers`)."""
+    and the tuned one's changes; on a task of few answers, also ``choice``
+    (:func:`forced_choice`). ``cache``: the base's and the SFT adapter's answers and choice
+    scores, written before the search (:func:`fixed_answers`, :func:`fixed_choices`)."""
     answers = [e.answer for e in examples]
     texts = dict(fixed_answers(models, prompts, gen, cache))
     tuned = [n for n in models.names if n not in texts]
@@ -92,7 +96,111 @@ def retention(
     for name in ("base", "sft"):
         if name in report:
             report[f"change_from_{name}"] = report["tuned"] - report[name]
+    choice = forced_choice(models, examples, prompts, micro_batch_size, cache)
+    if choice is not None:
+        report["choice"] = choice
     return report
+
+
+CHOICE_LABELS = 4  # a task with at most this many distinct answers is also read by forced choice
+
+
+def choice_labels(examples: Sequence[Example], tokenizer: Any) -> list[list[int]] | None:
+    """The token ids of each of the task's distinct answers, sorted (True/False: two), when it
+    has 2 to :data:`CHOICE_LABELS` of them whose first tokens differ; else None.
+
+    >>> class Chars:  # a tokenizer of one id per character
+    ...     def __call__(self, texts, add_special_tokens=False):
+    ...         return {"input_ids": [[ord(c) for c in t] for t in texts]}
+    >>> yes_no = [Example("p", "True"), Example("q", "False"), Example("r", "True")]
+    >>> choice_labels(yes_no, Chars())
+    [[70, 97, 108, 115, 101], [84, 114, 117, 101]]
+    >>> choice_labels([Example("p", "12"), Example("q", "17")], Chars()) is None  # first: "1"
+    True
+    """
+    labels = sorted({str(e.answer) for e in examples})
+    if not 2 <= len(labels) <= CHOICE_LABELS:
+        return None
+    ids = tokenizer(labels, add_special_tokens=False)["input_ids"]
+    if any(not i for i in ids) or len({i[0] for i in ids}) < len(ids):
+        return None
+    return [list(i) for i in ids]
+
+
+def forced_choice(
+    models: Models,
+    examples: Sequence[Example],
+    prompts: Sequence[str],
+    micro_batch_size: int,
+    cache: ContinuationCache | None = None,
+) -> dict[str, Any] | None:
+    """Forced-choice accuracy of each model on a task of few answers (:func:`choice_labels`):
+    the share of items whose reference is the answer whose first token the model ranks
+    highest right after the prompt, and ``logp``, the mean log-probability of the reference's
+    first token there. None for a task of many answers.
+
+    Greedy retention reads the format and the label a model leans to as well as what it
+    knows: an SFT adapter that answers every True/False item with one label scores that
+    label's share whatever its likelihoods still rank (docs/drift.md). Forced choice reads the
+    ranking. One teacher-forced forward per model; the base's and the SFT adapter's scores from
+    ``cache`` when written before the search (:func:`essa.drift.report.warm`)."""
+    labels = choice_labels(examples, models.tokenizer)
+    if labels is None:
+        return None
+    firsts = torch.tensor([ids[0] for ids in labels])  # (L,)
+    scores = fixed_choices(models, examples, prompts, micro_batch_size, cache)
+    for name in (n for n in models.names if n not in scores):
+        scores[name] = choice_scores(models, prompts, firsts, name, micro_batch_size)
+    answers = sorted({str(e.answer) for e in examples})
+    truth = np.array([answers.index(str(e.answer)) for e in examples])  # (N,)
+    report: dict[str, Any] = {"labels": answers}
+    for name, rows in scores.items():
+        logp = np.asarray(rows, dtype=np.float64)  # (N, L)
+        report[name] = float(np.mean(logp.argmax(1) == truth))
+        report[f"logp_{name}"] = float(np.mean(logp[np.arange(len(truth)), truth]))
+    for name in FIXED_MODELS:
+        if name in report and "tuned" in report:
+            report[f"change_from_{name}"] = report["tuned"] - report[name]
+    return report
+
+
+@torch.no_grad()
+def choice_scores(
+    models: Models, prompts: Sequence[str], firsts: torch.Tensor, name: str, micro_batch_size: int
+) -> list[list[float]]:
+    """(N, L) per prompt, model ``name``'s log-probability of each label's first token
+    ``firsts`` (L,) as the first token after the prompt. Each model runs in forwards of its
+    own, so a score does not depend on which other models were scored with it."""
+    ids = models.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    pairs = [(list(p), [int(firsts[0])]) for p in ids]  # one scored column: the answer's first
+    out: list[list[float]] = []
+    for start in range(0, len(pairs), micro_batch_size):
+        chunk = pairs[start : start + micro_batch_size]
+        logp = models.log_softmax(chunk, (name,))[name]  # (B, 2, V): column 0 predicts it
+        out.extend(logp[:, 0, firsts].tolist())
+    return out
+
+
+def fixed_choices(
+    models: Models,
+    examples: Sequence[Example],
+    prompts: Sequence[str],
+    micro_batch_size: int,
+    cache: ContinuationCache | None,
+) -> dict[str, list[list[float]]]:
+    """The base's and the SFT adapter's :func:`choice_scores`, from ``cache`` or made into it;
+    {} without a cache or on a task of many answers."""
+    labels = choice_labels(examples, models.tokenizer)
+    if cache is None or labels is None:
+        return {}
+    fixed = [n for n in models.names if n in FIXED_MODELS]
+    firsts = torch.tensor([ids[0] for ids in labels])
+
+    def make(names: Sequence[str]) -> dict[str, list[list[float]]]:
+        return {n: choice_scores(models, prompts, firsts, n, micro_batch_size) for n in names}
+
+    key = ("choice", tuple(prompts), tuple(tuple(ids) for ids in labels))
+    return cache.fixed_texts(models, key, fixed, make)
 
 
 def fixed_answers(
