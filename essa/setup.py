@@ -118,7 +118,10 @@ def load_base_model(cfg: Config, h: Harness) -> tuple[Any, Any]:
         h.say(line)
     h.compute = compute_record(model_cfg)  # the summary's "compute" (rank 0's)
     with h.phase("model load"):
-        return load_model(model_cfg)
+        model, tokenizer = load_model(model_cfg)
+    if model_cfg.dtype == "auto":  # the checkpoint's own dtype, known once it is loaded
+        h.compute["dtype"] = str(getattr(model, "dtype", "auto")).removeprefix("torch.")
+    return model, tokenizer
 
 
 def load_or_train_adapter(
