@@ -426,11 +426,12 @@ def test_forced_choice_reads_the_models_ranking_of_the_answers(tiny_model_dir: P
     same = PopulationModels(base, tokenizer, adapter, np.zeros(adapter.dim), 3)
     right = forced_choice(same, planted(top), CHOICE_PROMPTS, micro_batch_size=3)
     assert right is not None and right["labels"] == list(LABELS)
-    assert right["base"] == 1.0
+    assert right["base"] == 1.0 and right["auc_base"] == 1.0  # each label tops on its items
     assert right["logp_base"] == pytest.approx(float(by_hand.max(1).values.mean()), abs=1e-4)
     assert right["sft"] == right["tuned"] and right["change_from_sft"] == 0.0
+    assert right["auc_change_from_sft"] == 0.0
     wrong = forced_choice(same, planted([1 - t for t in top]), CHOICE_PROMPTS, 4)
-    assert wrong is not None and wrong["base"] == 0.0
+    assert wrong is not None and wrong["base"] == 0.0 and wrong["auc_base"] == 0.0
     assert wrong["logp_base"] == pytest.approx(float(by_hand.min(1).values.mean()), abs=1e-4)
     vector = 2.0 * adapter.stds() * np.random.default_rng(0).standard_normal(adapter.dim)
     moved = PopulationModels(base, tokenizer, adapter, vector, 3)

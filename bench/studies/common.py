@@ -546,9 +546,10 @@ def retention_change(runs: Sequence[dict[str, Any]]) -> str:
     >>> kept = {"change_from_base": 0.0625, "change_from_sft": -0.125, "items": 64}
     >>> retention_change([{"summary": {"drift": {"retention": kept}}}, {"summary": {}}])
     '+0.062 / -0.125 (1 x 64)'
-    >>> choice = {"change_from_base": -0.25, "change_from_sft": 0.0}
+    >>> choice = {"change_from_base": -0.25, "change_from_sft": 0.0, "auc_change_from_base": -0.1,
+    ...           "auc_change_from_sft": 0.02}
     >>> retention_change([{"summary": {"drift": {"retention": {**kept, "choice": choice}}}}])
-    '+0.062 / -0.125 (1 x 64); forced choice -0.250 / +0.000'
+    '+0.062 / -0.125 (1 x 64); forced choice -0.250 / +0.000, AUC -0.100 / +0.020'
     """
     reports = [(r["summary"].get("drift") or {}).get("retention") or {} for r in runs]
     kept = [k for k in reports if "change_from_base" in k and "change_from_sft" in k]
@@ -557,15 +558,15 @@ def retention_change(runs: Sequence[dict[str, Any]]) -> str:
     items = "/".join(str(n) for n in sorted({k["items"] for k in kept}))
     shown = f"{_changes(kept)} ({len(kept)} x {items})"
     choices = [k.get("choice") or {} for k in kept]
-    if all("change_from_base" in c and "change_from_sft" in c for c in choices):
-        shown += f"; forced choice {_changes(choices)}"
+    if all("auc_change_from_base" in c and "auc_change_from_sft" in c for c in choices):
+        shown += f"; forced choice {_changes(choices)}, AUC {_changes(choices, 'auc_')}"
     return shown
 
 
-def _changes(reports: Sequence[dict[str, Any]]) -> str:
+def _changes(reports: Sequence[dict[str, Any]], prefix: str = "") -> str:
     """'tuned - base / tuned - SFT', each the mean over ``reports``."""
-    base = statistics.mean(k["change_from_base"] for k in reports)
-    sft = statistics.mean(k["change_from_sft"] for k in reports)
+    base = statistics.mean(k[f"{prefix}change_from_base"] for k in reports)
+    sft = statistics.mean(k[f"{prefix}change_from_sft"] for k in reports)
     return f"{base:+.3f} / {sft:+.3f}"
 
 

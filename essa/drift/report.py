@@ -273,14 +273,18 @@ def summary_line(report: Mapping[str, Any]) -> str | None:
 def _choice_part(choice: Mapping[str, Any] | None) -> str:
     """Forced choice's share of the retention line ('' without one).
 
-    >>> _choice_part({"labels": ["False", "True"], "tuned": 0.625, "change_from_sft": 0.0625})
-    ', forced choice 0.625 (vs SFT +0.062)'
+    >>> _choice_part({"tuned": 0.625, "change_from_sft": 0.0625, "auc_tuned": 0.75,
+    ...               "auc_change_from_sft": -0.02})
+    ', forced choice 0.625 (vs SFT +0.062), AUC 0.750 (vs SFT -0.020)'
     """
     if not choice or "tuned" not in choice:
         return ""
-    change = choice.get("change_from_sft")
-    shown = "" if change is None else f" (vs SFT {change:+.3f})"
-    return f", forced choice {choice['tuned']:.3f}{shown}"
+
+    def versus(key: str) -> str:
+        return "" if key not in choice else f" (vs SFT {choice[key]:+.3f})"
+
+    shown = f", forced choice {choice['tuned']:.3f}{versus('change_from_sft')}"
+    return shown + f", AUC {choice['auc_tuned']:.3f}{versus('auc_change_from_sft')}"
 
 
 def adapter_report(

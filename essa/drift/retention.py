@@ -136,8 +136,9 @@ def forced_choice(
 ) -> dict[str, Any] | None:
     """Forced-choice accuracy of each model on a task of few answers (:func:`choice_labels`):
     the share of items whose reference is the answer whose first token the model ranks
-    highest right after the prompt, and ``logp``, the mean log-probability of the reference's
-    first token there. None for a task of many answers.
+    highest right after the prompt, ``logp``, the mean log-probability of the reference's
+    first token there, and ``auc``, how well those log-probs tell the items apart whatever
+    label the model leans to (:func:`ranking_auc`). None for a task of many answers.
 
     Greedy retention reads the format and the label a model leans to as well as what it
     knows: an SFT adapter that answers every True/False item with one label scores that
@@ -158,10 +159,40 @@ def forced_choice(
         logp = np.asarray(rows, dtype=np.float64)  # (N, L)
         report[name] = float(np.mean(logp.argmax(1) == truth))
         report[f"logp_{name}"] = float(np.mean(logp[np.arange(len(truth)), truth]))
+        report[f"auc_{name}"] = ranking_auc(logp, truth)
     for name in FIXED_MODELS:
         if name in report and "tuned" in report:
             report[f"change_from_{name}"] = report["tuned"] - report[name]
+            report[f"auc_change_from_{name}"] = report["auc_tuned"] - report[f"auc_{name}"]
     return report
+
+
+def ranking_auc(logp: np.ndarray, truth: np.ndarray) -> float:
+    """How well a model's answer log-probs ``logp`` (N, L) tell the items apart, whatever label
+    it leans to: per label k, the area under the ROC curve of the score log p_k - mean of the
+    other labels' log p over the items whose answer is k against the rest (ties count half),
+    averaged over the labels. 0.5 is chance; a model that shifts every item toward one label
+    keeps its AUC where its accuracy falls to that label's share.
+
+    >>> truth = np.array([0, 0, 1, 1])
+    >>> leaning = np.log([[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.6, 0.4]])  # says 0 on all
+    >>> float(np.mean(leaning.argmax(1) == truth)), round(ranking_auc(leaning, truth), 3)
+    (0.5, 1.0)
+    >>> round(ranking_auc(leaning[::-1], truth), 3)  # ranked the wrong way round
+    0.0
+    """
+    labels = logp.shape[1]
+    aucs = []
+    for k in range(labels):
+        others = np.delete(logp, k, axis=1).mean(axis=1)  # (N,)
+        score = logp[:, k] - others  # (N,)
+        pos, neg = score[truth == k], score[truth != k]
+        if len(pos) and len(neg):
+            wins = (pos[:, None] > neg[None, :]).mean() + 0.5 * (
+                pos[:, None] == neg[None, :]
+            ).mean()
+            aucs.append(float(wins))
+    return float(np.mean(aucs)) if aucs else float("nan")
 
 
 @torch.no_grad()
