@@ -105,26 +105,28 @@ def retention(
 CHOICE_LABELS = 4  # a task with at most this many distinct answers is also read by forced choice
 
 
-def choice_labels(examples: Sequence[Example], tokenizer: Any) -> list[list[int]] | None:
-    """The token ids of each of the task's distinct answers, sorted (True/False: two), when it
-    has 2 to :data:`CHOICE_LABELS` of them whose first tokens differ; else None.
+def choice_labels(
+    examples: Sequence[Example], tokenizer: Any
+) -> tuple[list[str], list[int]] | None:
+    """The task's distinct answers, sorted (True/False: two), and each one's first token id,
+    when it has 2 to :data:`CHOICE_LABELS` of them whose first tokens differ; else None.
 
     >>> class Chars:  # a tokenizer of one id per character
     ...     def __call__(self, texts, add_special_tokens=False):
     ...         return {"input_ids": [[ord(c) for c in t] for t in texts]}
     >>> yes_no = [Example("p", "True"), Example("q", "False"), Example("r", "True")]
     >>> choice_labels(yes_no, Chars())
-    [[70, 97, 108, 115, 101], [84, 114, 117, 101]]
+    (['False', 'True'], [70, 84])
     >>> choice_labels([Example("p", "12"), Example("q", "17")], Chars()) is None  # first: "1"
     True
     """
-    labels = sorted({str(e.answer) for e in examples})
-    if not 2 <= len(labels) <= CHOICE_LABELS:
+    answers = sorted({str(e.answer) for e in examples})
+    if not 2 <= len(answers) <= CHOICE_LABELS:
         return None
-    ids = tokenizer(labels, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(answers, add_special_tokens=False)["input_ids"]
     if any(not i for i in ids) or len({i[0] for i in ids}) < len(ids):
         return None
-    return [list(i) for i in ids]
+    return answers, [int(i[0]) for i in ids]
 
 
 def forced_choice(
@@ -148,11 +150,10 @@ def forced_choice(
     labels = choice_labels(examples, models.tokenizer)
     if labels is None:
         return None
-    firsts = torch.tensor([ids[0] for ids in labels])  # (L,)
-    scores = fixed_choices(models, examples, prompts, micro_batch_size, cache)
+    answers, firsts = labels
+    scores = _cached_choices(models, prompts, firsts, micro_batch_size, cache)
     for name in (n for n in models.names if n not in scores):
         scores[name] = choice_scores(models, prompts, firsts, name, micro_batch_size)
-    answers = sorted({str(e.answer) for e in examples})
     truth = np.array([answers.index(str(e.answer)) for e in examples])  # (N,)
     report: dict[str, Any] = {"labels": answers}
     for name, rows in scores.items():
@@ -181,34 +182,30 @@ def ranking_auc(logp: np.ndarray, truth: np.ndarray) -> float:
     >>> round(ranking_auc(leaning[::-1], truth), 3)  # ranked the wrong way round
     0.0
     """
-    labels = logp.shape[1]
     aucs = []
-    for k in range(labels):
-        others = np.delete(logp, k, axis=1).mean(axis=1)  # (N,)
-        score = logp[:, k] - others  # (N,)
-        pos, neg = score[truth == k], score[truth != k]
-        if len(pos) and len(neg):
-            wins = (pos[:, None] > neg[None, :]).mean() + 0.5 * (
-                pos[:, None] == neg[None, :]
-            ).mean()
-            aucs.append(float(wins))
+    for k in range(logp.shape[1]):
+        score = logp[:, k] - np.delete(logp, k, axis=1).mean(axis=1)  # (N,)
+        pos, neg = score[truth == k, None], score[None, truth != k]  # (P, 1), (1, Q)
+        if pos.size and neg.size:
+            aucs.append(float((pos > neg).mean() + 0.5 * (pos == neg).mean()))
     return float(np.mean(aucs)) if aucs else float("nan")
 
 
 @torch.no_grad()
 def choice_scores(
-    models: Models, prompts: Sequence[str], firsts: torch.Tensor, name: str, micro_batch_size: int
+    models: Models, prompts: Sequence[str], firsts: Sequence[int], name: str, micro_batch_size: int
 ) -> list[list[float]]:
     """(N, L) per prompt, model ``name``'s log-probability of each label's first token
     ``firsts`` (L,) as the first token after the prompt. Each model runs in forwards of its
     own, so a score does not depend on which other models were scored with it."""
     ids = models.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    pairs = [(list(p), [int(firsts[0])]) for p in ids]  # one scored column: the answer's first
+    pairs = [(list(p), [firsts[0]]) for p in ids]  # one scored column: the answer's first
+    columns = torch.tensor(list(firsts))  # (L,)
     out: list[list[float]] = []
     for start in range(0, len(pairs), micro_batch_size):
         chunk = pairs[start : start + micro_batch_size]
         logp = models.log_softmax(chunk, (name,))[name]  # (B, 2, V): column 0 predicts it
-        out.extend(logp[:, 0, firsts].tolist())
+        out.extend(logp[:, 0, columns].tolist())
     return out
 
 
@@ -222,15 +219,26 @@ def fixed_choices(
     """The base's and the SFT adapter's :func:`choice_scores`, from ``cache`` or made into it;
     {} without a cache or on a task of many answers."""
     labels = choice_labels(examples, models.tokenizer)
-    if cache is None or labels is None:
+    if labels is None:
+        return {}
+    return _cached_choices(models, prompts, labels[1], micro_batch_size, cache)
+
+
+def _cached_choices(
+    models: Models,
+    prompts: Sequence[str],
+    firsts: Sequence[int],
+    micro_batch_size: int,
+    cache: ContinuationCache | None,
+) -> dict[str, list[list[float]]]:
+    if cache is None:
         return {}
     fixed = [n for n in models.names if n in FIXED_MODELS]
-    firsts = torch.tensor([ids[0] for ids in labels])
 
     def make(names: Sequence[str]) -> dict[str, list[list[float]]]:
         return {n: choice_scores(models, prompts, firsts, n, micro_batch_size) for n in names}
 
-    key = ("choice", tuple(prompts), tuple(tuple(ids) for ids in labels))
+    key = ("choice", tuple(prompts), tuple(firsts))
     return cache.fixed_texts(models, key, fixed, make)
 
 
