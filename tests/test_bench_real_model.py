@@ -84,6 +84,11 @@ def test_table_row_from_a_result() -> None:
                        "phases": {"generations": {"actual": 700.0, "planned": 690.0}}}  # fmt: skip
     assert table(result).splitlines()[-1].startswith("| chain_sum | 116 / 14.0 | 0.040 |")
     assert "0.220 (ESSA +0.040 ± 0.020)" in row and "3000 / 6000 MB (0.50x)" in row
+    # A start kept on every seed scores as its SFT adapter item for item: SE 0, no z.
+    nan = float("nan")
+    result["tasks"]["chain_sum"]["essa_vs_sft"] = {"gain": 0.0, "se": 0.0, "z": nan,
+                                                   "per_seed_z": [nan, nan]}  # fmt: skip
+    assert "| +0.000 (0.000) | - | -, - |" in table(result).splitlines()[-1]
 
 
 def test_table_shows_each_runs_plan_against_what_it_made() -> None:

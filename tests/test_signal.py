@@ -27,6 +27,22 @@ def test_doctests() -> None:
         assert doctest.testmod(module).failed == 0
 
 
+def test_a_kl_budget_keeps_the_held_points_check_in_the_reserve() -> None:
+    """With a KL budget the export may validate the held point after the last mean's check:
+    the reserve keeps two checks, before the search and after each check of the mean."""
+    from types import SimpleNamespace
+
+    from essa.dist import LocalComm
+    from essa.es.checks import Checks, passes_after
+
+    task = SimpleNamespace(test=[None] * 10)
+    for promise, checks in ((None, 1), (object(), 2)):
+        h = SimpleNamespace(comm=LocalComm(), end_reserve=0.0)
+        c = Checks(h, None, task, [], [], None, None, None, promise)  # type: ignore[arg-type]
+        c.reserve_end(50.0, check_seconds=10.0)
+        assert h.end_reserve == passes_after(50.0, 0.0, 10.0, checks=checks) == 50 + 10 * checks
+
+
 # ---------------------------------------------------------------------- the signal
 def test_identical_candidates_give_no_signal() -> None:
     rng = np.random.default_rng(0)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from collections.abc import Sequence
@@ -274,7 +275,7 @@ def table(result: dict[str, Any]) -> str:
         scale = "-" if acc["scale"] is None else f"{acc['scale']:.3f}"
         wall = statistics.median(r["summary"]["wall_seconds"] for r in t["essa"])
         p = t["essa_vs_sft"]
-        z = ", ".join(f"{v:.1f}" for v in p["per_seed_z"])
+        z = ", ".join(z_cell(v) for v in p["per_seed_z"])
         grpo, mem = grpo_cells(t)
         kl, kept = drift_cells(t), retention_cell(t)
         strict = "-"
@@ -285,11 +286,21 @@ def table(result: dict[str, Any]) -> str:
             strict = f"{sft_full:.3f} -> {essa_full:.3f} ({f['gain']:+.3f}, {f['se']:.3f})"
         lines.append(
             f"| {task} | {lengths_cell(t['essa'])} | {t['base_accuracy']:.3f} | {acc['sft']:.3f} | {scale} | "
-            f"{acc['final']:.3f} | {p['gain']:+.3f} ({p['se']:.3f}) | {p['z']:.1f} | {z} | "
+            f"{acc['final']:.3f} | {p['gain']:+.3f} ({p['se']:.3f}) | {z_cell(p['z'])} | {z} | "
             f"{strict} | {wall:.0f} | {' | '.join(plan_cells(t['essa']))} | {grpo} | {mem} | "
             f"{kl} | {kept} |"
         )
     return "\n".join(lines)
+
+
+def z_cell(z: float) -> str:
+    """A gain over its SE, to one place; "-" where the SE is 0 (the point scored as its start on
+    every item).
+
+    >>> z_cell(2.54), z_cell(float("nan"))
+    ('2.5', '-')
+    """
+    return "-" if math.isnan(z) else f"{z:.1f}"
 
 
 # The README's columns of :func:`table`: lengths, SFT and ESSA, the gain, the plan, GRPO.

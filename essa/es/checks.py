@@ -44,14 +44,17 @@ def val_prompts(task: Task, data: DataConfig, tokenizer: Any) -> list[str]:
     return render_prompts(task.val, data.template, tokenizer, data.system_prompt)
 
 
-def passes_after(heldout: float, report: float, check: float, latest: float | None = None) -> float:
+def passes_after(
+    heldout: float, report: float, check: float, latest: float | None = None, checks: int = 1
+) -> float:
     """Seconds kept for the passes after the search: the exported point's final held-out pass,
-    one validation check of the last mean (the search stops between checks; the export reads
-    that mean on validation first), and the drift report. Before the search the final pass is
-    priced as the SFT adapter's held-out baseline (``heldout``) and the check as its validation
-    (``check``); once a mean is checked, both at that check's rate where it ran slower
-    (``latest``): a moved mean can answer at greater length (fraction_simplification: the last
-    check 11.7 s against the SFT adapter's 9.5 s, the final pass 56 s against 47 s).
+    the validation checks after the search (``checks``: the last mean's, as the search stops
+    between checks and the export reads that mean first; with a KL budget also the held
+    point's), and the drift report. Before the search the final pass is priced as the SFT
+    adapter's held-out baseline (``heldout``) and a check as its validation (``check``); once a
+    mean is checked, both at that check's rate where it ran slower (``latest``): a moved mean
+    can answer at greater length (fraction_simplification: the last check 11.7 s against the SFT
+    adapter's 9.5 s, the final pass 56 s against 47 s).
 
     >>> passes_after(46.5, 83.9, 9.5)
     139.9
@@ -59,9 +62,11 @@ def passes_after(heldout: float, report: float, check: float, latest: float | No
     152.9
     >>> passes_after(46.5, 83.9, 9.5, latest=8.0)  # never below the start's rate
     139.9
+    >>> passes_after(46.5, 83.9, 9.5, checks=2)  # a KL budget validates the held point too
+    149.4
     """
     slower = max(1.0, latest / check) if latest is not None and check > 0 else 1.0
-    return round(heldout * slower + report + check * slower, 1)
+    return round(heldout * slower + report + checks * check * slower, 1)
 
 
 @dataclass(frozen=True)
@@ -114,8 +119,14 @@ class Checks:
         report = forecast(row, items) if forecast else 0.0
         check = check_seconds if searching else 0.0
         self.priced.update(heldout=heldout_seconds, report=report, check=check)
-        h.end_reserve = passes_after(heldout_seconds, report, check)
+        h.end_reserve = passes_after(heldout_seconds, report, check, checks=self.checks_after)
         return report
+
+    @property
+    def checks_after(self) -> int:
+        """Validation checks after the search: the last mean's, and with a KL budget the held
+        point's (:meth:`hold`)."""
+        return 2 if self.promise is not None else 1
 
     def heldout(
         self,
@@ -172,7 +183,9 @@ class Checks:
         if self.priced:  # the passes after the search, at this mean's rate where it is slower
             p = self.priced
             latest = time.perf_counter() - start
-            self.h.end_reserve = passes_after(p["heldout"], p["report"], p["check"], latest)
+            self.h.end_reserve = passes_after(
+                p["heldout"], p["report"], p["check"], latest, self.checks_after
+            )
         return watch.observe(name, opt.generation - 1, opt.mean, scores)
 
     def after_generation(
