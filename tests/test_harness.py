@@ -141,6 +141,32 @@ def test_budget_stops_before_a_step_that_would_end_past_it(
     assert h.elapsed == pytest.approx(30.0) and h.elapsed <= 35
 
 
+def test_a_step_that_ends_in_a_pass_is_forecast_as_the_steps_that_did(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of 10 s, every third ending in a 20-s held-out pass, on an 85-s budget: after
+    step 5 (70 s) the next ends in a pass (30 s, to 100 s), so the loop stops there; a median
+    over all steps (10 s) would have run it past the budget (a fake clock, no sleeps)."""
+    import essa.harness.run
+
+    clock = [1000.0]
+    monkeypatch.setattr(essa.harness.run.time, "perf_counter", lambda: clock[0])
+    cfg = _config("run.generations=10", "run.max_wall_seconds=85", "evaluation.every=3")
+    h = Harness(cfg, tmp_path, resume=False, console=None, comm=get_comm("local"))
+    done = []
+    for step in h.steps(0, show=lambda record: {}):
+        record: dict = {"generation": step.index}
+        clock[0] += 10.0
+        if h.due(step.index, 3):
+            clock[0] += 20.0
+            record["heldout_accuracy"] = 0.5
+        step.finish(record, lambda: None)
+        done.append(step.index)
+    assert done == [0, 1, 2, 3, 4]
+    assert h.elapsed == pytest.approx(70.0)
+    assert "would be passed by the next generation" in (h.stop_reason or "")
+
+
 def test_the_budget_keeps_the_passes_after_the_loop_inside_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
