@@ -67,13 +67,15 @@ def test_the_settings_take_the_plans_sizes_and_the_checked_tie_breaker() -> None
     assert settings.configured_prompts == 48  # the plan re-sizes prompts up to it
     assert settings.reward.reference_weight == 0.0 and cfg.reward.reference_weight == 1.0
     assert len(said) == 1 and said[0].startswith("reference tie-breaker checked: off")
-    assert settings.run is cfg.run and settings.evaluation is cfg.evaluation
+    assert settings.run is cfg.run and settings.evaluation.every == plan.every  # spread
+    assert dataclasses.replace(settings.evaluation, every=cfg.evaluation.every) == cfg.evaluation
     assert settings.rows_per_prompt == 8 * cfg.generation.samples_per_prompt
     assert settings.fitness(5) == FitnessSettings(
         cfg.run.seed, 5, cfg.generation.samples_per_prompt, 0.0, cfg.reward.reference_signal
     )
     plain = RunSettings.planned(plan_inputs(cfg), cfg.reward, None, said.append, {})
     assert plain.optimizer is cfg.optimizer and plain.data is cfg.data
+    assert plain.evaluation is cfg.evaluation
     assert plain.reward is cfg.reward and len(said) == 1  # no check, no line
 
 

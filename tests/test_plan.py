@@ -119,6 +119,44 @@ def test_expensive_rows_shrink_every_sized_phase_within_bounds() -> None:
     assert plan.generations >= 10
 
 
+def test_the_priced_checks_are_spread_over_the_generations_that_fit(tmp_path: Path) -> None:
+    """A budget that fits fewer generations than run.generations checks the search's mean as
+    often as it prices (run.generations // evaluation.every), closer together, so that patience
+    can stop a flat search as early in the budget; the search and the budget's forecast of a
+    checked step both take the planned cadence, and a plan written before it had one (a resumed
+    run's checkpoint) keeps the configured cadence."""
+    from essa.es.budget import Budget
+    from essa.es.plan import plan_from_dict
+    from essa.es.settings import RunSettings
+
+    cfg = real_cfg()
+    roomy = make_plan(
+        plan_inputs(cfg), Costs(row=0.01, sft_step=1.0, spent=10), test_items=500, train_items=5000
+    )
+    assert roomy.generations == 40 and roomy.every == 10  # all fit: as configured
+    plan = make_plan(
+        plan_inputs(cfg), Costs(row=0.29, sft_step=6.6, spent=15), test_items=500, train_items=5000
+    )
+    assert plan.checks == 4 and 10 <= plan.generations < 40
+    assert plan.every == -(-plan.generations // 4) < 10
+    assert (
+        f"validation checks on {plan.check_items} items every {plan.every} generations"
+        in (plan.lines()[0])
+    )
+    state: dict[str, object] = {"plan": plan.as_dict()}
+    with _harness(cfg, tmp_path) as h:
+        assert h.check_every == 10
+        adopted = Budget(None).adopt(h, state)
+        assert h.check_every == plan.every  # the forecast of a step that ends in a check
+    settings = RunSettings.planned(plan_inputs(cfg), cfg.reward, adopted, lambda _: None, {})
+    assert settings.evaluation.every == plan.every
+    old = {k: v for k, v in plan.as_dict().items() if k != "every"}
+    settings = RunSettings.planned(
+        plan_inputs(cfg), cfg.reward, plan_from_dict(old), lambda _: None, {}
+    )
+    assert settings.evaluation.every == 10
+
+
 @pytest.mark.parametrize("row", [0.02, 0.05, 0.1, 0.2, 0.29])
 def test_the_largest_generation_that_fits_the_target_is_planned(row: float) -> None:
     cfg = real_cfg()

@@ -258,8 +258,8 @@ class Budget:
             atomic_write_json(h.run_dir / PLAN_NAME, self.plan.as_dict())
 
     def adopt(self, h: Harness, state: dict[str, Any] | None) -> Plan | None:
-        """The plan whose candidates and prompts per generation the search takes (None: no
-        plan); it comes from the checkpoint on resume (so a resumed run searches as the
+        """The plan whose candidates, prompts per generation and check cadence the search takes
+        (None: no plan); it comes from the checkpoint on resume (so a resumed run searches as the
         uninterrupted one)."""
         from essa.es.plan import plan_from_dict
 
@@ -267,6 +267,9 @@ class Budget:
             self.plan = plan_from_dict(state["plan"])
         if self.plan is not None:
             h.reporter.planned.update(self.plan.seconds)
+            # The checks' cadence as planned (RunSettings.planned): the budget's forecast of
+            # the steps that end in one reads it.
+            h.check_every = self.plan.every or h.check_every
         return self.plan
 
     @property

@@ -14,7 +14,10 @@ may be sized:
 * SFT: at most ``sft.steps`` steps and at most :data:`SFT_SHARE` of the budget, stopping early
   when its check loss on training prompts (never the held-out split) stops improving;
 * held-out checks during the search: a fixed subsample of the held-out split (the final pass
-  and the SFT adapter's keep the whole split), together at most :data:`CHECKS_SHARE`;
+  and the SFT adapter's keep the whole split), together at most :data:`CHECKS_SHARE`; the
+  ``run.generations // evaluation.every`` checks it prices are spread over the generations
+  that fit (:func:`check_every`), so that a run cut short by its budget still checks its mean
+  as often, and its patience stops a flat search as early in the budget;
 * the scaled start (``optimizer.start: scale_baseline``): its training prompts bounded so that
   it takes at most :data:`START_SHARE`;
 * prompts, then candidates per generation: lowered until :data:`TARGET_GENERATIONS`
@@ -201,6 +204,8 @@ class Plan:
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> expected seconds
     lengths: dict[str, float | int] = field(default_factory=dict)
     costs: dict[str, float] = field(default_factory=dict)
+    # Generations between validation checks (check_every); 0: evaluation.every as configured
+    every: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -219,6 +224,8 @@ class Plan:
         if self.sft_steps:  # a re-plan after SFT has none left to size
             sizes += f"; SFT up to {self.sft_steps} steps / {self.sft_seconds:.0f} s"
         sizes += f"; validation checks on {self.check_items} items"
+        if self.every:
+            sizes += f" every {self.every} generations"
         if self.start_prompts:
             sizes += f"; scaled start on {self.start_prompts} prompts"
         phases = ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
@@ -408,6 +415,7 @@ def _sized(
     population, prompts = size
     fit_generations = max(0, int(search / generation(size)))
     generations = min(cfg.run.generations, fit_generations)
+    every = check_every(generations, checks, e.every)
     seconds = {
         "model load": costs.spent,
         "SFT": sft,
@@ -432,7 +440,28 @@ def _sized(
         seconds={k: round(v, 1) for k, v in seconds.items()},
         lengths=lengths.as_dict() if lengths is not None else {},
         costs={k: round(v, 4) for k, v in dataclasses.asdict(costs).items() if v is not None},
+        every=every,
     )
+
+
+def check_every(generations: int, checks: int, every: int) -> int:
+    """Generations between the search's validation checks: the ``checks`` the plan prices
+    (``run.generations // evaluation.every``) spread over the ``generations`` that fit, never
+    further apart than ``every``. A budget that fits fewer generations than ``run.generations``
+    would otherwise check fewer times, and ``run.patience`` checks without a new best would
+    come late in the budget or never (letter_counting: 25 generations fit, a flat search
+    stopped at generation 20 of them, at 75-80% of the budget).
+
+    >>> check_every(40, 4, 10)  # the generations the config names: as configured
+    10
+    >>> check_every(23, 4, 10)  # four checks over 23 generations: at 6, 12, 18 and the end
+    6
+    >>> check_every(0, 4, 10), check_every(23, 0, 0)  # nothing to spread
+    (10, 0)
+    """
+    if not checks or not generations:
+        return every
+    return max(1, min(every, math.ceil(generations / checks)))
 
 
 def generation_sizes(

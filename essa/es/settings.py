@@ -58,13 +58,16 @@ class RunSettings:
         ``state`` (the check's line goes to ``say``)."""
         optimizer, data = apply_plan(inputs.optimizer, inputs.data, plan)
         checked = checked_reward(reward, say, state)
+        evaluation = inputs.evaluation
+        if plan is not None and plan.every:  # the plan's checks spread over its generations
+            evaluation = dataclasses.replace(evaluation, every=plan.every)
         return cls(
             inputs.run,
             optimizer,
             data,
             inputs.generation,
             checked,
-            inputs.evaluation,
+            evaluation,
             configured_prompts=inputs.data.batch_size,
         )
 

@@ -71,8 +71,10 @@ class Harness:
         self.interrupt = Interrupt()
         self._saved = 0  # steps held by the last complete checkpoint
         self.step_seconds: list[float] = []  # this process's steps, for the budget's forecast
-        # ... and those that ended in a held-out or validation pass (evaluation.every)
+        # ... and those that ended in a held-out or validation pass, every check_every steps
+        # (evaluation.every; a recipe whose plan spreads its checks sets the planned cadence)
         self.check_step_seconds: list[float] = []
+        self.check_every = cfg.evaluation.every
         # Seconds the passes after the loop (final held-out pass, drift report) are forecast to
         # take: the budget stop keeps them inside run.max_wall_seconds (set by the recipe once
         # measured; 0 until then).
@@ -386,10 +388,10 @@ def checked_pass(record: JSONDict) -> bool:
 
 def next_step_seconds(h: Harness, done: int) -> float:
     """The next step's forecast seconds: the median of this process's last five steps, or, when
-    the next one ends in a pass (``evaluation.every``), of the last steps that did. A pass makes
+    the next one ends in a pass (``h.check_every``), of the last steps that did. A pass makes
     its step longer (a GRPO step of 25 s and its 500-item held-out pass of 27 s), and a median
     over all steps ignores it: the step would run past the budget by the pass."""
     plain, checked = h.step_seconds[-5:], h.check_step_seconds[-5:]
-    if checked and h.due(done, h.cfg.evaluation.every):
+    if checked and h.due(done, h.check_every):
         return float(np.median(checked))
     return float(np.median(plain or checked)) if plain or checked else 0.0
