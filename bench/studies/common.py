@@ -157,6 +157,10 @@ def train_demo(seed: int, overrides: list[str], root: Path) -> dict[str, Any]:
 # With --reuse, a command missing from --root is restored from here when its arguments and task
 # config are the same; every command run or reused is archived (one .jsonl.xz per task).
 ARCHIVE = RESULTS / "runs"
+# --no-restore: --reuse keeps what is finished under --root and runs the rest, so that a table
+# re-made under new code is made of new runs (the archive matches a command on its config
+# alone).
+RESTORE = True
 
 RUN_FILES = ("config.yaml", "summary.json", "metrics.jsonl", "heldout_scores.jsonl", "phases.jsonl")
 
@@ -313,7 +317,7 @@ def timed(
     archive; its wall seconds, kept beside the log. A command run or reused with ``keep``
     (its output files) is archived."""
     seconds = reusable(done, log, reuse)
-    if seconds is None and reuse and keep:
+    if seconds is None and reuse and keep and RESTORE:
         seconds = restore(args, log, list(keep))
     if seconds is None:
         seconds = essa(args, log, threads)
@@ -327,7 +331,7 @@ def must_run(args: list[str], log: Path, keep: list[Path], reuse: bool) -> bool:
     """True when a run command has to run: ``--reuse`` finds it neither finished on disk nor
     in the archive."""
     finished = reusable(keep[0].parent / "summary.json", log, reuse) is not None
-    return not (finished or (reuse and same_command(args, log) is not None))
+    return not (finished or (reuse and RESTORE and same_command(args, log) is not None))
 
 
 # ------------------------------------------------------------------ arms: SFT, ESSA, GRPO

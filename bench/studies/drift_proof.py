@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, write_result
+from bench.studies import common
 from bench.studies.common import (
     ALL_TASKS,
     essa_seed,
@@ -168,12 +169,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--root", default="runs/signal")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs under --root")
+    parser.add_argument(
+        "--no-restore",
+        dest="restore",
+        action="store_false",
+        help="with --reuse, run what --root lacks instead of restoring it from the archive",
+    )
     parser.add_argument("--out", default="real_model_drift_proof")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    common.RESTORE = args.restore
     arms = dict(args.arms or [parse_arm(a) for a in DEFAULT_ARMS])
     result: dict[str, Any] = {"arms": arms, "seeds": args.seeds, "tasks": {}, "runs": {}}
     for task in args.tasks:

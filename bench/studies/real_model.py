@@ -2,7 +2,7 @@
 
     python -m bench.studies.real_model [--seeds 0 1 2] [--tasks chain_sum ...] [--no-grpo]
                                [--grpo-tasks chain_sum ...] [--grpo-seeds 0 1 2]
-                               [--set k=v] [--reuse] [--out NAME]
+                               [--set k=v] [--reuse [--no-restore]] [--out NAME]
     python -m bench.studies.real_model --tasks chain_sum --verify essa-seed0
 
 For each task (reasoning-gym generators and scorers; nobody here wrote them) this runs, each in
@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, compact_png, write_result
+from bench.studies import common
 from bench.studies.common import (
     ALL_TASKS,
     ARCHIVE,
@@ -599,6 +600,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--root", default="runs/bench-real-model")
     parser.add_argument(
+        "--no-restore",
+        dest="restore",
+        action="store_false",
+        help="with --reuse, run what --root lacks instead of restoring it from the archive",
+    )
+    parser.add_argument(
         "--verify",
         metavar="NAME",
         help="run the archived command NAME (e.g. essa-seed0) of each of --tasks again and "
@@ -627,6 +634,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    common.RESTORE = args.restore
     if args.verify:
         results = [verify(task, args.verify, args) for task in args.tasks]
         raise SystemExit(0 if all(results) else 1)
