@@ -42,6 +42,25 @@ def test_population_kl_is_the_drift_reports_kl_row_by_row(tiny_model_dir: Path) 
     assert len(set(together.round(9))) == 5  # each row carried its own candidate
 
 
+def test_a_budget_in_units_of_the_sft_adapter_is_measured_on_the_anchor_set(
+    tiny_model_dir: Path,
+) -> None:
+    """kl_budget_sft: r: the search's budget is r x the SFT adapter's own anchor-set KL, and the
+    run's line says both."""
+    from essa.config import DataConfig
+    from essa.es.drift_budget import drift_budget
+
+    base, tokenizer, adapter = svd_setup(tiny_model_dir)
+    d = DriftBudgetConfig(kl_budget_sft=1.25, prompts=4, tokens=6)
+    budget = drift_budget(d, DataConfig(), 8, base, tokenizer, adapter)
+    assert budget is not None and budget.anchor_set is not None
+    sft = float(budget.kl(np.zeros((1, adapter.dim)))[0])
+    assert sft > 1e-3 and budget.config.kl_budget == pytest.approx(1.25 * sft)
+    line = budget.describe()
+    assert f"KL budget {1.25 * sft:.4g} (1.25x the SFT adapter's)" in line
+    assert "over it" not in line  # r >= 1: the SFT adapter is within
+
+
 def test_penalty_budget_and_anchor_shape_the_fitness() -> None:
     population = np.array([[0.0, 0.0], [1.0, 0.0], [2.0, 2.0], [0.0, 1.0]])  # (4, D=2)
     fitness = np.array([0.5, 0.8, 0.9, np.nan])
@@ -128,6 +147,12 @@ def test_a_run_logs_the_drift_budget_and_the_anchor_pulls_toward_sft(tmp_path: P
     [
         (["optimizer.drift_budget.kl_penalty=-1"], "optimizer.drift_budget.kl_penalty: must be >= 0"),
         (["optimizer.drift_budget.kl_budget=0"], "optimizer.drift_budget.kl_budget: must be > 0"),
+        (["optimizer.drift_budget.kl_budget_sft=-1"],
+         "optimizer.drift_budget.kl_budget_sft: must be > 0"),
+        (["optimizer.drift_budget.kl_budget=0.1", "optimizer.drift_budget.kl_budget_sft=1.25"],
+         "optimizer.drift_budget: kl_budget and kl_budget_sft both set"),
+        (["optimizer.drift_budget.kl_budget_sft=1.25", "backend=vllm"],
+         "optimizer.drift_budget: kl_penalty and kl_budget teacher-force"),
         (["optimizer.drift_budget.prompts=0"], "optimizer.drift_budget.prompts: must be >= 1"),
         (["optimizer.drift_budget.anchor=1", "algorithm=grpo"],
          "optimizer.drift_budget: shapes ESSA's fitness; algorithm grpo"),

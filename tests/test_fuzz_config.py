@@ -291,6 +291,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "tools.python.max_tool_calls": NONNEG,
     "optimizer.drift_budget.kl_penalty": NONNEG,
     "optimizer.drift_budget.kl_budget": POSITIVE,
+    "optimizer.drift_budget.kl_budget_sft": POSITIVE,
     "optimizer.drift_budget.prompts": AT_LEAST_1,
     "optimizer.drift_budget.tokens": AT_LEAST_1,
     "optimizer.drift_budget.anchor": NONNEG,

@@ -99,6 +99,26 @@ def test_a_point_within_the_budget_is_left_as_it_is(tiny_model_dir: Path) -> Non
     assert len(promise.evaluated) == 1  # one KL pass, of the point itself
 
 
+def test_a_budget_in_units_of_the_sft_adapter_is_measured_on_the_reports_set(
+    tiny_model_dir: Path,
+) -> None:
+    """kl_budget_sft (``ratio``): B is r x the SFT adapter's report KL, measured at the first
+    hold, and the held point is within it as the report measures."""
+    base, tokenizer, adapter = _setup(tiny_model_dir)
+    s, cache = _settings(), ContinuationCache()
+    sft_kl = _report_kl(s, cache, base, tokenizer, adapter, np.zeros(adapter.dim))
+    x = 2.0 * adapter.stds() * np.random.default_rng(1).standard_normal(adapter.dim)
+    far_kl = _report_kl(s, cache, base, tokenizer, adapter, x)
+    assert far_kl > 1.05 * sft_kl > 0
+    ratio = (1.0 + far_kl / sft_kl) / 2  # a budget between the SFT adapter's KL and the point's
+    promise = kl_promise(None, s, cache, base, tokenizer, adapter, ratio=ratio)
+    assert promise is not None and promise.budget is None
+    held = promise.hold(x, np.zeros(adapter.dim))
+    assert promise.budget == pytest.approx(ratio * sft_kl, rel=1e-4)
+    assert held.moved and held.u > 1.0  # the SFT adapter (u = 1) is within r >= 1 its own KL
+    assert _report_kl(s, cache, base, tokenizer, adapter, held.vector) <= promise.budget
+
+
 def test_no_budget_or_no_base_model_makes_no_promise(tiny_model_dir: Path) -> None:
     base, tokenizer, adapter = _setup(tiny_model_dir)
     s, cache = _settings(), ContinuationCache()
@@ -123,3 +143,19 @@ def test_the_exported_adapter_keeps_the_promise_and_the_summary_says_how(tmp_pat
     assert account["kl"] == pytest.approx(summary["drift"]["kl_base"], rel=1e-3)
     assert "KL budget 0.0001: the exported point's off-task KL(base||tuned)" in res.stdout
     assert "is over it; held at u=" in res.stdout
+
+
+@pytest.mark.slow
+def test_a_budget_in_units_of_the_sft_adapter_holds_on_the_report(tmp_path: Path) -> None:
+    """kl_budget_sft 0.5: half the SFT adapter's own off-task KL, as the report measures it;
+    the exported adapter is within it."""
+    run_dir = tmp_path / "run"
+    res = essa("train", "--run-dir", str(run_dir),
+               *sets(*SMALL, "optimizer.drift_budget.kl_budget_sft=0.5"))  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    account, drift = summary["exported"]["kl_budget"], summary["drift"]
+    assert account["budget"] == pytest.approx(0.5 * drift["kl_base_sft"], rel=1e-3)
+    assert account["sft_multiple"] == 0.5
+    assert account["held"] and drift["kl_base"] <= account["budget"]
+    assert "(0.5x the SFT adapter's) (the SFT adapter is over it)" in res.stdout

@@ -264,7 +264,8 @@ class Checks:
                        f"validation (+{gain:.3f}, SE {se:.3f})")  # fmt: skip
                 account = {"point": "SFT adapter", "why": why, "checked": account.get("checked")}
                 held = self.promise.hold(sft, sft)
-        account = {**account, "kl_budget": held_account(held, self.promise.budget, val)}
+        promise = self.promise
+        account = {**account, "kl_budget": held_account(held, promise.limit(), val, promise.ratio)}
         self.h.say(held_line(account["kl_budget"]))
         return held.vector, account
 

@@ -11,7 +11,8 @@ of what it ranks, so drift can be priced or forbidden directly:
   candidates, as in the generation itself).
 * **KL budget**: a candidate with ``KL_c > kl_budget`` ranks below every candidate within it,
   and those over it rank by their KL (Deb's feasibility rule; CMA-ES reads only ranks, OpenAI-ES
-  centered ranks).
+  centered ranks). ``kl_budget_sft: r`` sets it to r x the SFT adapter's own KL on the anchor
+  set, measured once before the search.
 * **Anchor** (the ES form of anchored weight decay): ``f_c -= anchor * mean_i (x_ci / s_i)^2``
   over the searched coordinates, with ``x`` the offsets from the SFT singular values ``s``. ES
   follows the gradient of the Gaussian-smoothed fitness, and smoothing ``||x / s||^2`` keeps its
@@ -23,6 +24,7 @@ Every rank computes the KL of its own candidates and all-gathers it, as it does 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +58,7 @@ class AnchorSet:
 class DriftBudget:
     """``optimizer.drift_budget`` applied to a generation's gathered fitness."""
 
-    config: DriftBudgetConfig
+    config: DriftBudgetConfig  # kl_budget resolved where kl_budget_sft sets it (drift_budget)
     scale: np.ndarray  # (D,) SFT singular values, 0 where a coordinate is not searched
     anchor_set: AnchorSet | None = None  # None: no KL term
     model: Any = None  # the bare base model
@@ -98,7 +100,8 @@ class DriftBudget:
                 parts.append(f"fitness -= {d.kl_penalty:g} x KL")
             if d.kl_budget is not None:
                 over = " (the SFT adapter is over it)" if sft > d.kl_budget else ""
-                parts.append(f"KL budget {d.kl_budget:g}{over}")
+                units = f" ({d.kl_budget_sft:g}x the SFT adapter's)" if d.kl_budget_sft else ""
+                parts.append(f"KL budget {d.kl_budget:.4g}{units}{over}")
         return "drift budget: " + "; ".join(parts)
 
 
@@ -228,4 +231,7 @@ def drift_budget(
     if d.uses_kl:
         prompts = rendered_offtask_prompts(data, d.prompts, tokenizer)
         budget.anchor_set = anchor_set(model, tokenizer, prompts, d.tokens, micro_batch_size)
+    if d.kl_budget_sft is not None:  # in units of the SFT adapter's own KL on this anchor set
+        sft = float(budget.kl(np.zeros((1, adapter.dim)))[0])
+        budget.config = dataclasses.replace(d, kl_budget=d.kl_budget_sft * sft)
     return budget

@@ -1,4 +1,5 @@
-"""The KL budget as a promise on the exported adapter (``optimizer.drift_budget.kl_budget``).
+"""The KL budget as a promise on the exported adapter (``optimizer.drift_budget.kl_budget``, or
+``kl_budget_sft``: B = that multiple of the SFT adapter's own KL(base || SFT) on the same set).
 
 During the search the budget ranks candidates on a small anchor set (essa.es.drift_budget).
 What the user reads is the drift report's off-task KL(base || tuned) of the *exported* adapter,
@@ -92,11 +93,21 @@ class Held:
 class KLPromise:
     """``kl_budget`` on the report's off-task set for one run's adapter."""
 
-    budget: float
+    budget: float | None  # B; None: ratio x the SFT adapter's KL, measured at the first hold
     kl_of: Callable[[Population], np.ndarray]  # (K, D) -> (K,) KL(base || point)
     scale: np.ndarray  # (D,) SFT singular values at the searched positions
     comm: Comm | None = None
     evaluated: list[tuple[float, float]] = field(default_factory=list)  # (u, KL) seen
+    ratio: float | None = None  # kl_budget_sft: B in units of KL(base || SFT) on this set
+
+    def limit(self) -> float:
+        """B: the budget given, or ``ratio`` x the SFT adapter's own KL(base || SFT) on the
+        report's set (measured once, here)."""
+        if self.budget is None:
+            assert self.ratio is not None
+            sft = float(self.kl(np.zeros((1, len(self.scale))))[0])
+            self.budget = self.ratio * sft
+        return self.budget
 
     def kl(self, points: Population) -> np.ndarray:
         """(K,) KL of ``points``, rank 0's on every rank."""
@@ -110,7 +121,7 @@ class KLPromise:
         x, x0 = np.asarray(x, dtype=np.float64), np.asarray(x0, dtype=np.float64)
         before = float(self.kl(x[None, :])[0])
         self.evaluated.append((2.0, before))
-        target = self.budget * (1.0 - MARGIN)
+        target = self.limit() * (1.0 - MARGIN)
         if before <= target:
             return Held(x, 2.0, before, before)
         u = np.linspace(0.0, 2.0, GRID + 1)[:-1]  # (GRID,) 0 .. 1.75; 2 is over
@@ -139,10 +150,12 @@ def kl_promise(
     tokenizer: Any,
     adapter: SVDAdapter,
     comm: Comm | None = None,
+    ratio: float | None = None,
 ) -> KLPromise | None:
-    """The run's promise (None: no ``kl_budget``, no base model in process, or no off-task
-    prompts); the off-task set and its base continuations are made at its first use."""
-    if budget is None or model is None or not s.drift.prompts:
+    """The run's promise (None: no ``kl_budget`` nor ``kl_budget_sft`` (``ratio``), no base
+    model in process, or no off-task prompts); the off-task set and its base continuations are
+    made at its first use."""
+    if (budget is None and ratio is None) or model is None or not s.drift.prompts:
         return None
     anchor: list[AnchorSet] = []  # built once, at the first KL asked for
 
@@ -153,7 +166,7 @@ def kl_promise(
             anchor.append(report_anchor_set(s, cache, model, tokenizer, adapter))
         return population_kl(model, adapter, anchor[0], points, s.micro_batch_size)
 
-    return KLPromise(budget, kl_of, adapter.stds(), comm)
+    return KLPromise(budget, kl_of, adapter.stds(), comm, ratio=ratio)
 
 
 def report_anchor_set(
@@ -172,11 +185,15 @@ def report_anchor_set(
     )
 
 
-def held_account(held: Held, budget: float, val: Sequence[float] | None = None) -> dict[str, Any]:
-    """The summary's ``exported.kl_budget``: the promise, where the point was held and the KL
-    before and after (``val``: validation before and after, when holding moved the point)."""
+def held_account(
+    held: Held, budget: float, val: Sequence[float] | None = None, ratio: float | None = None
+) -> dict[str, Any]:
+    """The summary's ``exported.kl_budget``: the promise (``ratio``: set as that multiple of
+    the SFT adapter's own KL), where the point was held and the KL before and after (``val``:
+    validation before and after, when holding moved the point)."""
     out: dict[str, Any] = {
         "budget": budget,
+        **({"sft_multiple": ratio} if ratio is not None else {}),
         "kl_before": held.kl_before,
         "kl": held.kl,
         "path_u": held.u,

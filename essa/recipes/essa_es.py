@@ -147,8 +147,10 @@ def _checks(
     evaluator.reference_margin = cfg.reward.reference_signal == "margin"  # type: ignore[attr-defined]
     val = val_prompts(task, cfg.data, tokenizer)
     drift, cache = setup.drift_settings(cfg), ContinuationCache()  # one cache per run
-    budget_kl = cfg.optimizer.drift_budget.kl_budget
-    promise = kl_promise(budget_kl, drift, cache, model, tokenizer, adapter, h.comm)
+    d = cfg.optimizer.drift_budget
+    promise = kl_promise(
+        d.kl_budget, drift, cache, model, tokenizer, adapter, h.comm, ratio=d.kl_budget_sft
+    )
     pass_drift = functools.partial(adapter_pass_figures, drift, cache, model, tokenizer, adapter)
     report = functools.partial(
         adapter_report, drift, cache, h, model, tokenizer, adapter, task.test
