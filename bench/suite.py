@@ -90,6 +90,7 @@ STUDIES: list[tuple[str, list[str]]] = [
     ("grpo_options", ["--seeds", "0", "1", "2"]),  # the gradient backend's options vs plain GRPO
     ("label_free", ["--seeds", "0", "1", "2"]),  # TTRL's vote and RLSC vs labels
     ("tools", ["--seeds", "0", "1", "2"]),  # text-only vs tool-integrated ESSA, and GRPO
+    ("tool_tasks", []),  # the code-call SFT adapter's held-out score: which tasks suit tools
     ("drift_budget", ["--seeds", "0", "1", "2"]),  # the search's drift budget on and off
     ("drift_proof", ["--seeds", "0", "1", "2"]),  # ESSA with and without a drift control vs GRPO
     ("tie_breaker", []),  # the reference tie-breaker along the scaled line, per task

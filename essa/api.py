@@ -342,14 +342,20 @@ def heldout_samples(
     # One completion per problem is greedy, as the held-out score during training; K samples
     # use generation.temperature.
     gen = cfg.generation if k > 1 else replace(cfg.generation, temperature=0.0)
+    tool_use: dict[str, float] = {}
     if cfg.tools.python.max_tool_calls:  # the rollouts' tool calls, as training scores them
         from essa.backends.tool_turns import generate_turns
+        from essa.tools.turns import ToolTally
 
         ids = tokenizer(rows, add_special_tokens=False)["input_ids"]
-        texts, _, _ = generate_turns(
+        texts, _, transcripts = generate_turns(
             model, tokenizer, ids, gen, cfg.tools.python,
             micro_batch_size=cfg.evaluation.micro_batch_size, seed=cfg.run.seed,
         )  # fmt: skip
+        tally = ToolTally()  # the training's held-out pass counts the same (tool_line)
+        finals = [extract_answer(t.turns[-1]) if t.turns else None for t in transcripts]
+        tally.add(transcripts, finals)
+        tool_use = tally.metrics()
     elif k == 1:  # the held-out path every recipe's held-out score takes (docs/inference.md)
         from essa.backends.evaluator import heldout_completions
 
@@ -380,4 +386,4 @@ def heldout_samples(
         item["sample"] = i % k
     if k == 1:
         metrics = {"pass@1": metrics["pass@1"], "mean_score": metrics["mean_score"]}
-    return metrics, items
+    return {**metrics, **tool_use}, items

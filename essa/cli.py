@@ -336,6 +336,8 @@ def eval_lines(result: dict[str, Any], output: Path | None) -> list[str]:
     scores = ", ".join(f"{k} {v:.3f}" for k, v in result.items() if "@" in k or k == "mean_score")
     model = result["model"] + (f" + {result['adapter']}" if result["adapter"] else "")
     lines = [f"held-out {result['metric']} on {result['n']} items ({model}): {scores}"]
+    if "tool_calls_per_row" in result:
+        lines.append(tool_line(result))
     drift = summary_line(result.get("drift") or {})
     if drift is not None:
         lines.append(drift)

@@ -19,18 +19,26 @@ def arm(name: str, final: float, tools: dict | None, **cost: float) -> dict:
 
 
 def test_table_has_a_row_per_task_and_arm_with_tool_use() -> None:
-    used = {"tool_calls_per_row": 1.0, "tool_error_rate": 0.02, "tool_output_used": 0.9}
+    used = {"tool_calls_per_row": 1.2, "tool_error_rate": 0.02, "tool_output_used": 0.9,
+            "tool_rows_0_calls": 0.1, "tool_rows_1_call": 0.6, "tool_rows_2plus_calls": 0.3,
+            "tool_void_rows": 0.05}  # fmt: skip
+    older = {"tool_calls_per_row": 1.0, "tool_error_rate": 0.0, "tool_output_used": 1.0}
     result = {"tasks": {"products": {
         "arms": {"text ESSA": [arm("text ESSA", 0.6, None)],
-                 "tool ESSA": [arm("tool ESSA", 0.9, used)]},
-        "pooled": {"text ESSA": {"gain": 0.1, "se": 0.02}, "tool ESSA": {"gain": 0.4, "se": 0.02}},
+                 "tool ESSA": [arm("tool ESSA", 0.9, used)],
+                 "tool GRPO": [arm("tool GRPO", 0.8, older)]},
+        "pooled": {"text ESSA": {"gain": 0.1, "se": 0.02}, "tool ESSA": {"gain": 0.4, "se": 0.02},
+                   "tool GRPO": {"gain": 0.3, "se": 0.02}},
     }}}  # fmt: skip
     lines = table(result).splitlines()
-    assert len(lines) == 4
+    assert len(lines) == 5
     assert lines[2] == (
-        "| products | text ESSA | 1 | 0.500 | 0.600 | +0.100 (0.020) | 21 | - | - | - | - | - |"
+        "| products | text ESSA | 1 | 0.500 | 0.600 | +0.100 (0.020) | 21 | - | - / - / - | - | - "
+        "| - | - | - |"
     )
-    assert lines[3].endswith("| 21 | 1.00 | 0.02 | 0.90 | - | - |")
+    assert lines[3].endswith("| 21 | 1.20 | 0.10 / 0.60 / 0.30 | 0.02 | 0.05 | 0.90 | - | - |")
+    # a record written before the 0 / 1 / 2+ shares and void turns were kept
+    assert lines[4].endswith("| 21 | 1.00 | - / - / - | 0.00 | - | 1.00 | - | - |")
 
 
 def test_summary_table_has_a_cell_per_task_and_arm() -> None:
@@ -100,3 +108,26 @@ def test_an_sft_adapter_trains_once_and_only_for_an_arm_that_must_run(
         config, 0, root, "tool", [], [command], set(), argparse.Namespace(reuse=False, threads=1)
     )
     assert trained == ["tool", "tool"]
+
+
+def test_the_tool_task_probe_tables_each_task_and_says_whether_it_is_in_range() -> None:
+    """bench.studies.tool_tasks: per task the code-call SFT adapter's mean held-out score over
+    seeds (and each seed's), its tool use, and whether the start lies in [0.2, 0.7]."""
+    from bench.studies.tool_tasks import in_range
+    from bench.studies.tool_tasks import table as probe_table
+
+    def probe(seed: int, score: float, **tools: float) -> dict:
+        return {"seed": seed, "mean_score": score, "n": 500, **tools}
+
+    used = {"tool_calls_per_row": 1.1, "tool_rows_0_calls": 0.0, "tool_rows_1_call": 0.9,
+            "tool_rows_2plus_calls": 0.1, "tool_error_rate": 0.05, "tool_void_rows": 0.02}  # fmt: skip
+    result = {"tasks": {"word_sorting": [probe(0, 0.2, **used), probe(1, 0.3, **used)],
+                        "products": [probe(0, 0.99)]}}  # fmt: skip
+    lines = probe_table(result).splitlines()
+    assert lines[2] == (
+        "| word_sorting | 2 | 0.250 (0.200, 0.300) | 500 | 1.10 | 0.00 / 0.90 / 0.10 | 0.05 "
+        "| 0.02 | yes |"
+    )
+    assert lines[3].endswith("| - | - / - / - | - | - | no (ceiling) |")
+    assert [in_range(x) for x in (0.199, 0.2, 0.7, 0.701)] == ["no (floor)", "yes", "yes",
+                                                                "no (ceiling)"]  # fmt: skip

@@ -474,11 +474,21 @@ def test_sft_code_targets_compute_the_reference_answer(task: str) -> None:
     assert target.endswith(f"The answer is {next(ex for ex in with_code if ex.solution).answer}.")
 
 
-@pytest.mark.parametrize("task", ["leg_counting", "calendar_arithmetic", "word_sorting"])
+def test_the_solvers_doctests() -> None:
+    import doctest
+
+    import essa.data.tool_sft as tool_sft
+
+    assert doctest.testmod(tool_sft).failed == 0
+
+
+@pytest.mark.parametrize(
+    "task", ["leg_counting", "calendar_arithmetic", "word_sorting", "base_conversion"]
+)
 def test_word_problem_solvers_score_full_marks_by_the_tasks_own_scorer(task: str) -> None:
     """The solvers that read what to compute out of words (animals and their legs, dates
-    written out, the words to sort) answer every one of 200 items, and the task's own scorer
-    gives each answer 1.0."""
+    written out, the words to sort, a number and two bases) answer every one of 200 items, and
+    the task's own scorer gives each answer 1.0."""
     pytest.importorskip("reasoning_gym")
     from essa.data.gym import gym_dataset
     from essa.data.tool_sft import solve
@@ -499,7 +509,8 @@ def test_sft_code_prints_its_value_in_the_sandbox() -> None:
     from essa.data.tool_sft import solve
     from essa.tools.sandbox import run_python_batch
 
-    tasks = ("chain_sum", "gcd", "count_bits", "letter_counting", "leg_counting", "word_sorting")
+    tasks = ("chain_sum", "gcd", "count_bits", "letter_counting", "leg_counting", "word_sorting",
+             "base_conversion")  # fmt: skip
     found = [solve(gym_examples(task)[0].prompt) for task in tasks]
     kinds: dict[str, str] = {}  # one question of each calendar kind (7)
     for entry in gym_dataset("calendar_arithmetic"):
@@ -544,6 +555,7 @@ def test_tool_settings_that_cannot_run_are_refused(sets: list[str], message: str
 def test_train_with_tools_end_to_end(tmp_path: Path, algorithm: str) -> None:
     import json
 
+    from essa.cli import tool_line
     from tests.cli_runner import essa
 
     sets = ["run.generations=2", "evaluation.every=1", "data.test_size=32", "sft.steps=4",
@@ -580,6 +592,20 @@ def test_train_with_tools_end_to_end(tmp_path: Path, algorithm: str) -> None:
         + f", {tools['tool_calls_per_row']:.2f} calls each, {tools['tool_error_rate']:.2f} of "
         f"runs failed, {tools['tool_void_rows']:.2f} with a void turn"
     ]  # fmt: skip
+    if algorithm == "essa":  # `essa eval` of the exported adapter reports its tool use too
+        out = tmp_path / "eval.json"
+        res = essa("eval", str(tmp_path / "run" / "config.yaml"), "--adapter",
+                   summary["adapter_dir"], "--output", str(out))  # fmt: skip
+        assert res.returncode == 0, res.stderr[-3000:]
+        result = json.loads(out.read_text())
+        assert set(tools) <= set(result)
+        shares = [
+            result[k] for k in ("tool_rows_0_calls", "tool_rows_1_call", "tool_rows_2plus_calls")
+        ]
+        assert sum(shares) == pytest.approx(1.0)
+        assert [line for line in res.stdout.splitlines() if line.startswith("tools:")] == [
+            tool_line(result)
+        ]
 
 
 def test_rows_that_wrote_the_same_code_share_one_run(demo_tokenizer) -> None:  # type: ignore[no-untyped-def]

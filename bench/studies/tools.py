@@ -11,7 +11,8 @@ Per reasoning-gym task (where exact computation helps a 135M model) and seed, fr
   essa.data.tool_sft: the code that computes the answer, its output, "The answer is N.");
 * **text ESSA**: ``essa train`` from the text SFT adapter, text-only rollouts;
 * **tool ESSA**: ``essa train`` from the tool SFT adapter with ``tools.python.max_tool_calls:
-  1``: the population's rollouts and every held-out pass may run one Python block;
+  2``: the population's rollouts and every held-out pass may run two Python blocks (the SFT
+  targets hold one; a second computes on its output or retries an error);
 * **tool GRPO**: ``algorithm: grpo`` from the same tool SFT adapter, with tools.
 
 Both SFT adapters train for the same steps outside the budget, as the ESSA paper reports its
@@ -64,8 +65,12 @@ TASKS: dict[str, dict[str, Any]] = {
     "calendar_arithmetic": {},
     # The words to sort are in the text: the code must copy each one exactly (case, accents).
     "word_sorting": {},
+    # A number and two bases are in the text: the code copies them into a fixed digit loop
+    # (the text SFT adapter scores 0.004: the model cannot convert in its head).
+    "base_conversion": {},
 }
-TOOLS = ["tools.python.max_tool_calls=1", "data.template=python_tool"]
+# Two calls a rollout: a second block can compute on the first one's output or retry an error.
+TOOLS = ["tools.python.max_tool_calls=2", "data.template=python_tool"]
 ARMS = ("text ESSA", "tool ESSA", "tool GRPO")
 
 
@@ -162,9 +167,9 @@ def paired_finals(root: Path, a: str, b: str, seed: int) -> dict[str, float]:
 def table(result: dict[str, Any]) -> str:
     rows = [
         "| task | arm | seeds | SFT | final | final - SFT (SE) | generations / steps | "
-        "tool calls / item | tool errors | answer printed by a tool | s / generation | "
-        "peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "tool calls / item | items with 0 / 1 / 2+ calls | tool errors | void turns | "
+        "answer printed by a tool | s / generation | peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for task, t in result["tasks"].items():
         for arm, runs in t["arms"].items():
@@ -172,12 +177,15 @@ def table(result: dict[str, Any]) -> str:
             tools = [r["tools"] for r in runs if r["tools"]]
 
             def mean(key: str, tools: list[dict[str, float]] = tools) -> str:
-                return f"{statistics.mean(x[key] for x in tools):.2f}" if tools else "-"
+                values = [x[key] for x in tools if key in x]  # older records lack some
+                return f"{statistics.mean(values):.2f}" if values else "-"
 
             rows.append(
                 f"| {task} | {arm} | {len(runs)} | {statistics.mean(r['sft'] for r in runs):.3f} | "
                 f"{statistics.mean(r['final'] for r in runs):.3f} | {p['gain']:+.3f} ({p['se']:.3f}) | "
-                f"{statistics.mean(r['steps'] for r in runs):.0f} | {mean('tool_calls_per_row')} | {mean('tool_error_rate')} | {mean('tool_output_used')} | "
+                f"{statistics.mean(r['steps'] for r in runs):.0f} | {mean('tool_calls_per_row')} | "
+                f"{mean('tool_rows_0_calls')} / {mean('tool_rows_1_call')} / {mean('tool_rows_2plus_calls')} | "
+                f"{mean('tool_error_rate')} | {mean('tool_void_rows')} | {mean('tool_output_used')} | "
                 f"{cost(runs)}"
             )
     return "\n".join(rows)

@@ -9,7 +9,8 @@ a solver below recognises gets the target a tool-using rollout should produce::
 prints, then ``The answer is <answer>.``), so a small chat model learns the format in the SFT
 stage. A solver reads numbers out of the question and writes the code that computes the answer
 (an arithmetic expression, gcd/lcm, bit counts, letter counts, the legs of the animals listed,
-``datetime``/``calendar`` calls on dates written out, the words to sort); the value is computed here the same way
+``datetime``/``calendar`` calls on dates written out, the words to sort, a number's digits in
+another base); the value is computed here the same way
 the code would print it, and the example keeps its text target unless that value
 equals its reference answer. Questions no solver reads keep their text target: the SFT then
 mixes both kinds, and the model may still call the tool on them.
@@ -286,8 +287,48 @@ def word_sort(question: str) -> tuple[str, str] | None:
     return code, ", ".join(sorted(words, reverse=reverse))
 
 
+_BASE_QUESTION = re.compile(
+    r"convert the (binary|hexadecimal|base-\d+) number ([0-9a-z]+) to (binary|hexadecimal|base-\d+)"
+)
+_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def _base(name: str) -> int:
+    return {"binary": 2, "hexadecimal": 16}.get(name) or int(name.removeprefix("base-"))
+
+
+def base_convert(question: str) -> tuple[str, str] | None:
+    """``int(digits, b1)`` written out digit by digit in base b2, for "convert the base-b1 number
+    D to base-b2" (reasoning-gym's base_conversion; binary and hexadecimal by name): the model
+    must copy the number and both bases into a fixed loop.
+
+    >>> code, value = base_convert("Now, convert the base-15 number 453 to binary\\n")
+    >>> print(code)
+    n, b, s = int("453", 15), 2, ""
+    while n: n, s = n // b, "0123456789abcdefghijklmnopqrstuvwxyz"[n % b] + s
+    print(s or "0")
+    >>> value
+    '1111010010'
+    """
+    match = _BASE_QUESTION.search(question)
+    if match is None:
+        return None
+    source, digits, target = _base(match.group(1)), match.group(2), _base(match.group(3))
+    if not (2 <= source <= 36 and 2 <= target <= 36):
+        return None
+    with contextlib.suppress(ValueError):  # digits the source base does not have: no target
+        int(digits, source)
+        code = (
+            f'n, b, s = int("{digits}", {source}), {target}, ""\n'
+            f'while n: n, s = n // b, "{_DIGITS}"[n % b] + s\n'
+            'print(s or "0")'
+        )
+        return code, _run_print(code)
+    return None
+
+
 def _run_print(code: str) -> str:
-    """What ``code`` (the calendar solver's own, standard library only) prints."""
+    """What ``code`` (a solver's own, standard library only) prints."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(code, {})  # the solver's own code, never the model's
@@ -301,6 +342,7 @@ SOLVERS: tuple[Solver, ...] = (
     leg_count,
     word_sort,
     calendar_question,
+    base_convert,
     arithmetic,
 )
 
