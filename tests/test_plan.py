@@ -119,6 +119,14 @@ def test_expensive_rows_shrink_every_sized_phase_within_bounds() -> None:
     assert plan.generations >= 10
 
 
+def test_doctests() -> None:
+    import doctest
+
+    import essa.es.plan as plan_module
+
+    assert doctest.testmod(plan_module).failed == 0
+
+
 def test_the_priced_checks_are_spread_over_the_generations_that_fit(tmp_path: Path) -> None:
     """A budget that fits fewer generations than run.generations checks the search's mean as
     often as it prices (run.generations // evaluation.every), closer together, so that patience
@@ -426,12 +434,17 @@ def test_the_probe_halves_its_micro_batch_on_out_of_memory(tmp_path: Path) -> No
 
 # ------------------------------------------------------------------------------ SFT limit
 def _sft_setup():  # type: ignore[no-untyped-def]
+    """The demo model with a fresh LoRA, its A factors drawn from a fixed seed (PEFT draws them
+    from the global generator: what a test sees must not depend on which tests ran first)."""
+    import torch
+
     from essa.backends.models import load_model
     from essa.config import AdapterConfig, ModelConfig
     from essa.data.loaders import builtin_examples
     from essa.gradient.sft import make_lora_model
 
     model, tokenizer = load_model(ModelConfig())
+    torch.manual_seed(0)
     peft_model = make_lora_model(model, AdapterConfig())
     pool, _ = builtin_examples("builtin:arithmetic")
     return peft_model, tokenizer, pool[:64], [ex.prompt for ex in pool[:64]]
