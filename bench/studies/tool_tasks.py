@@ -30,7 +30,7 @@ from typing import Any
 
 from bench.common import RESULTS, write_result
 from bench.studies.common import sets, sft_adapter, sft_path, task_config, timed
-from bench.studies.tools import TASKS, TOOLS
+from bench.studies.tools import TASKS, TOOLS, tool_cells
 
 RANGE = (0.2, 0.7)  # a start with room above it and signal to rank
 # The probe scores the adapter only: no off-task KL, no retention or pass@K pass.
@@ -75,17 +75,10 @@ def table(result: dict[str, Any]) -> str:
     ]
     for task, probes in result["tasks"].items():
         score = statistics.mean(p["mean_score"] for p in probes)
-
-        def mean(key: str, probes: list[dict[str, Any]] = probes) -> str:
-            values = [p[key] for p in probes if key in p]
-            return f"{statistics.mean(values):.2f}" if values else "-"
-
         per_seed = ", ".join(f"{p['mean_score']:.3f}" for p in probes)
         rows.append(
             f"| {task} | {len(probes)} | {score:.3f} ({per_seed}) | {probes[0]['n']} | "
-            f"{mean('tool_calls_per_row')} | {mean('tool_rows_0_calls')} / "
-            f"{mean('tool_rows_1_call')} / {mean('tool_rows_2plus_calls')} | "
-            f"{mean('tool_error_rate')} | {mean('tool_void_rows')} | {in_range(score)} |"
+            f"{tool_cells(probes)} | {in_range(score)} |"
         )
     return "\n".join(rows)
 

@@ -175,20 +175,31 @@ def table(result: dict[str, Any]) -> str:
         for arm, runs in t["arms"].items():
             p = t["pooled"][arm]
             tools = [r["tools"] for r in runs if r["tools"]]
-
-            def mean(key: str, tools: list[dict[str, float]] = tools) -> str:
-                values = [x[key] for x in tools if key in x]  # older records lack some
-                return f"{statistics.mean(values):.2f}" if values else "-"
-
             rows.append(
                 f"| {task} | {arm} | {len(runs)} | {statistics.mean(r['sft'] for r in runs):.3f} | "
                 f"{statistics.mean(r['final'] for r in runs):.3f} | {p['gain']:+.3f} ({p['se']:.3f}) | "
-                f"{statistics.mean(r['steps'] for r in runs):.0f} | {mean('tool_calls_per_row')} | "
-                f"{mean('tool_rows_0_calls')} / {mean('tool_rows_1_call')} / {mean('tool_rows_2plus_calls')} | "
-                f"{mean('tool_error_rate')} | {mean('tool_void_rows')} | {mean('tool_output_used')} | "
-                f"{cost(runs)}"
+                f"{statistics.mean(r['steps'] for r in runs):.0f} | {tool_cells(tools)} | "
+                f"{mean_cell(tools, 'tool_output_used')} | {cost(runs)}"
             )
     return "\n".join(rows)
+
+
+def mean_cell(records: list[dict[str, Any]], key: str) -> str:
+    """The mean of ``key`` over the records that hold it (older records lack some), or "-"."""
+    values = [x[key] for x in records if key in x]
+    return f"{statistics.mean(values):.2f}" if values else "-"
+
+
+def tool_cells(records: list[dict[str, Any]]) -> str:
+    """Tool use as table cells: calls per item | 0 / 1 / 2+ call shares | errors | void turns."""
+    shares = " / ".join(
+        mean_cell(records, k)
+        for k in ("tool_rows_0_calls", "tool_rows_1_call", "tool_rows_2plus_calls")
+    )
+    return (
+        f"{mean_cell(records, 'tool_calls_per_row')} | {shares} | "
+        f"{mean_cell(records, 'tool_error_rate')} | {mean_cell(records, 'tool_void_rows')}"
+    )
 
 
 def summary_table(result: dict[str, Any]) -> str:
